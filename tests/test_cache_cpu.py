@@ -1,0 +1,182 @@
+"""TensorMapCache bookkeeping that needs no GPU: keys, hits, LRU eviction, pins, stale handles, threads (CPU).
+
+A cache on the CPU device runs the real table and slot logic; only the driver call is replaced by a fake
+encoder that returns 128 bytes derived from the spec, so nothing here pretends to test the driver."""
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import torch_tma
+from torch_tma import TensorMapSpec, _C
+from torch_tma.cache import StaleTensorMapError
+
+
+def fake_encode(data_type, address, dims, strides, box, elem_strides, il, sw, l2, oob, device_index):
+    payload = repr((data_type, address, tuple(dims), tuple(strides), tuple(box), tuple(elem_strides), il, sw, l2,
+                    oob)).encode()
+    return (payload * (128 // len(payload) + 1))[:128]
+
+
+def cpu_cache(slots=4, chunk_slots=2):
+    cache = torch_tma.TensorMapCache("cpu", capacity_bytes=128 * slots, chunk_bytes=128 * chunk_slots)
+    cache._encode_tiled = fake_encode
+    return cache
+
+
+def spec(address=0x10000, **kw):
+    return TensorMapSpec.from_strided(address, torch.float16, (64, 128), (128, 1), (32, 64), **kw)
+
+
+def test_get_spec_miss_then_hit():
+    cache = cpu_cache()
+    a = cache.get_spec(spec())
+    b = cache.get_spec(spec())
+    assert a is b
+    assert a.ptr % 128 == 0 and len(a.raw) == 128
+    assert bytes(cache._slot_views[a.ptr].tolist()) == a.raw  # the slot holds what was encoded
+    s = cache.stats()
+    assert (s["hits"], s["misses"], s["encodes"], s["slots_in_use"], s["bytes_reserved"]) == (1, 1, 1, 1, 256)
+
+
+def test_every_encoding_input_is_part_of_the_key():
+    cache = cpu_cache(slots=16, chunk_slots=16)
+    base = spec()
+    variants = [base, base.replace(address=0x20000), base.replace(box=(64, 16)),
+                base.replace(l2_promotion=torch_tma.L2Promotion.L2_256B),
+                base.replace(swizzle=torch_tma.Swizzle.B128), base.replace(elem_strides=(1, 2)),
+                base.replace(oob_fill=torch_tma.OOBFill.NAN_REQUEST_ZERO_FMA),
+                base.replace(data_type=torch_tma.DataType.BFLOAT16), base.replace(dims=(64, 127)),
+                base.replace(strides=(512,))]
+    ptrs = {cache.get_spec(v).ptr for v in variants}
+    assert len(ptrs) == len(variants)
+    assert cache.stats()["misses"] == len(variants)
+
+
+def test_tensor_keys_in_the_native_table():
+    table = _C.Table("cpu", 0)
+    x = torch.randn(4, 64)
+    args = ((2, 64), None, 0, 0, 2, 0, -1)
+    table.insert(x, *args, "x")
+    assert table.lookup(x, *args) == "x"
+    assert table.lookup(x, [2, 64], *args[1:]) == "x"  # list or tuple box: same key
+    assert table.lookup(x.t().contiguous().t(), *args) is None  # other strides
+    assert table.lookup(x.half(), *args) is None  # other dtype
+    assert table.lookup(x[1:], *args) is None  # other address and shape
+    assert table.lookup(x, (4, 64), *args[1:]) is None  # other box
+    assert table.lookup(x, (2, 64), None, 0, 0, 3, 0, -1) is None  # other promotion
+    assert table.lookup(x, (2, 64), (1, 2), 0, 0, 2, 0, -1) is None  # other element strides
+    with pytest.raises(TypeError):
+        table.lookup(x, ("a", 64), *args[1:])
+
+
+def test_lru_eviction_at_capacity_and_stale_handles():
+    cache = cpu_cache(slots=4, chunk_slots=2)
+    maps = [cache.get_spec(spec(address=0x10000 * (i + 1))) for i in range(4)]
+    assert cache.stats()["bytes_reserved"] == 512
+    cache.get_spec(spec(address=0x10000))  # touch the first: the second is now least recently used
+    fifth = cache.get_spec(spec(address=0x90000))
+    assert fifth.ptr == maps[1]._ptr  # the LRU slot was reused
+    assert cache.stats()["evictions"] == 1 and cache.stats()["bytes_reserved"] == 512
+    with pytest.raises(StaleTensorMapError, match="was evicted"):
+        maps[1].ptr
+    assert "EVICTED" in repr(maps[1])
+    assert maps[0].ptr and maps[2].ptr
+    again = cache.get_spec(spec(address=0x20000))  # the evicted key encodes anew
+    assert again is not maps[1] and cache.stats()["misses"] == 6
+
+
+def test_bound_handles_are_pinned_and_refresh_in_place():
+    cache = cpu_cache(slots=2, chunk_slots=2)
+    holder = {"t": torch.empty(64, 128, dtype=torch.float16)}
+    make = lambda t: TensorMapSpec.from_strided(t.data_ptr(), t.dtype, t.shape, t.stride(), (32, 64))
+    handle = cache.bind_spec(lambda: holder["t"], make)
+    ptr = handle.ptr
+    assert cache.get_spec(make(holder["t"])) is handle.map  # get_spec hits the bound slot
+    for i in range(3):  # pressure: the bound slot is never the victim
+        cache.get_spec(spec(address=0x100000 * (i + 1)))
+    assert handle.ptr == ptr
+    holder["t"] = torch.empty(64, 128, dtype=torch.float16)  # "reallocated"
+    assert handle.ptr == ptr  # same slot...
+    assert handle.spec.address == holder["t"].data_ptr()  # ...new contents
+    assert bytes(cache._slot_views[ptr].tolist()) == handle.map.raw
+    assert cache.stats()["refreshes"] == 1
+    assert cache.refresh_all() == 0  # nothing moved since
+    holder["t"] = torch.empty(32, 128, dtype=torch.float16)
+    assert cache.refresh_all() == 1 and handle.spec.dims == (128, 32)
+
+
+def test_full_of_pinned_slots_raises():
+    cache = cpu_cache(slots=2, chunk_slots=2)
+    tensors = [torch.empty(64, 128, dtype=torch.float16) for _ in range(2)]
+    make = lambda t: TensorMapSpec.from_strided(t.data_ptr(), t.dtype, t.shape, t.stride(), (32, 64))
+    handles = [cache.bind_spec(t, make) for t in tensors]
+    with pytest.raises(torch_tma.CacheFullError, match="full of pinned or graph-captured descriptors"):
+        cache.get_spec(spec(address=0x700000))
+    handles[0].close()  # its slot comes back
+    assert cache.get_spec(spec(address=0x700000)).ptr == handles[0].map._ptr
+
+
+def test_threads_share_one_cache_consistently():
+    cache = cpu_cache(slots=64, chunk_slots=8)
+    errors = []
+
+    def worker(seed):
+        try:
+            for i in range(300):
+                tm = cache.get_spec(spec(address=0x10000 * (1 + (seed * 7 + i) % 40)))
+                assert tm.spec.address == 0x10000 * (1 + (seed * 7 + i) % 40)
+        except Exception as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    s = cache.stats()
+    assert s["hits"] + s["misses"] == 8 * 300
+    live = [tm for tm in cache.entries() if not tm._evicted]
+    assert len({tm.spec.key() for tm in live}) == len(live)  # no key twice
+    for tm in live:
+        assert bytes(cache._slot_views[tm._ptr].tolist()) == tm.raw
+
+
+def test_cache_argument_errors():
+    with pytest.raises(ValueError, match="chunk_bytes=100 must be a positive multiple of 128"):
+        torch_tma.TensorMapCache("cpu", chunk_bytes=100)
+    with pytest.raises(ValueError, match="capacity_bytes=128 is below one chunk"):
+        torch_tma.TensorMapCache("cpu", capacity_bytes=128, chunk_bytes=256)
+    with pytest.raises(TypeError, match="expected a TensorMapSpec, got dict"):
+        cpu_cache().get_spec({})
+    with pytest.raises(TypeError, match="source must be a tensor or a zero-argument callable"):
+        cpu_cache().bind(3, (8, 8))
+
+
+def test_get_rejects_cpu_tensors_with_a_clear_error():
+    with pytest.raises(ValueError, match="tensor is on cpu, not a CUDA device"):
+        cpu_cache().get(torch.randn(8, 64), (8, 64))
+    with pytest.raises(TypeError, match="expected a torch.Tensor, got str"):
+        cpu_cache().get("weights", (8, 64))
+
+
+def test_import_without_a_driver_fails_only_on_device_use():
+    """On a machine without libcuda (CI), import works and the first device feature names what is missing."""
+    code = ("import torch_tma, sys\n"
+            "status = torch_tma.driver_status()\n"
+            "print('STATUS', status)\n"
+            "if status:\n"
+            "    try:\n"
+            "        torch_tma._C.encode_tiled(6, 4096, [64, 64], [128], [64, 64], [1, 1], 0, 0, 2, 0, 0)\n"
+            "    except RuntimeError as e:\n"
+            "        print('ERROR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    status = out.split("STATUS", 1)[1].splitlines()[0].strip()
+    if status:  # no driver here: the message says what is missing
+        assert "libcuda.so.1" in status or "cuInit" in status
+        assert "ERROR torch_tma:" in out and "NVIDIA" in out
+    else:
+        assert torch.cuda.is_available() or "libcuda" not in out
