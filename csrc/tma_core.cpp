@@ -5,6 +5,7 @@
 // machine with no driver and only a device feature fails, naming what is missing. Streams and events go through
 // c10 (torch's device-generic interface), so this file needs torch's headers and a host compiler, not nvcc.
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
@@ -194,17 +195,26 @@ struct Entry {
   int64_t slot = 0;  // device address of the 128-byte slot (bound entries)
 };
 
+// Appends a sequence of ints (length first), or -1 for None. Raw CPython: this runs on every get().
 void append_seq(Key& k, py::handle seq, const char* what) {
-  if (seq.is_none()) {
+  PyObject* obj = seq.ptr();
+  if (obj == Py_None) {
     k.push_back(-1);
     return;
   }
-  auto s = py::reinterpret_borrow<py::sequence>(seq);
-  k.push_back(static_cast<int64_t>(s.size()));
-  for (auto item : s) {
-    TORCH_CHECK_TYPE(PyLong_Check(item.ptr()), what, " entries must be ints");
-    k.push_back(item.cast<int64_t>());
+  PyObject* fast = PySequence_Fast(obj, what);
+  if (!fast) throw py::error_already_set();
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  k.push_back(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!PyLong_Check(items[i])) {
+      Py_DECREF(fast);
+      throw py::type_error(std::string(what) + " entries must be ints");
+    }
+    k.push_back(PyLong_AsLongLong(items[i]));
   }
+  Py_DECREF(fast);
 }
 
 Key tensor_key(const at::Tensor& t, py::handle box, py::handle elem_strides, int64_t interleave, int64_t swizzle,
@@ -468,6 +478,179 @@ class Table {
   int64_t hits_ = 0;
 };
 
+
+// ---- fast paths: raw CPython vectorcall, no pybind dispatch --------------------------------------------------
+// cache.get(tensor, box, *, swizzle=, l2_promotion=, interleave=, oob_fill=, elem_strides=, data_type=) on a hit,
+// and BoundTensorMap.ptr. Anything unusual (a keyword passed by a non-interned name, a non-int, a miss) goes to
+// the Python implementation with the same arguments, which validates and explains.
+PyObject* kw_swizzle = nullptr;
+PyObject* kw_l2 = nullptr;
+PyObject* kw_interleave = nullptr;
+PyObject* kw_oob = nullptr;
+PyObject* kw_es = nullptr;
+PyObject* kw_dt = nullptr;
+PyObject* attr_native = nullptr;
+PyObject* attr_parameters = nullptr;
+PyObject* attr_buffers = nullptr;
+PyObject* attr_refresh = nullptr;
+PyObject* attr_src = nullptr;
+PyObject* attr_src_attr = nullptr;
+
+// The native get's `self` is a tuple (capsule holding the Table*, the Table object, the Python miss handler): a
+// tuple is tracked by the garbage collector, so the cycle cache -> get -> miss handler -> cache stays collectable.
+bool int_arg(PyObject* v, int64_t& out, int64_t none_value) {
+  if (v == Py_None) {
+    out = none_value;
+    return true;
+  }
+  if (!PyLong_Check(v)) return false;
+  out = PyLong_AsLongLong(v);
+  if (out == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+PyObject* fast_get(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* table = static_cast<Table*>(PyCapsule_GetPointer(PyTuple_GET_ITEM(self, 0), "torch_tma.Table"));
+  PyObject* miss = PyTuple_GET_ITEM(self, 2);
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  if (nargs == 2 && THPVariable_Check(args[0])) {
+    PyObject* es = Py_None;
+    int64_t sw = 0, l2 = 2, il = 0, oob = 0, dt = -1;  // the Python signature's defaults
+    bool ok = true;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t i = 0; ok && i < nkw; ++i) {
+      PyObject* name = PyTuple_GET_ITEM(kwnames, i);
+      PyObject* value = args[nargs + i];
+      if (name == kw_swizzle) ok = int_arg(value, sw, -2);
+      else if (name == kw_l2) ok = int_arg(value, l2, -2);
+      else if (name == kw_interleave) ok = int_arg(value, il, -2);
+      else if (name == kw_oob) ok = int_arg(value, oob, -2);
+      else if (name == kw_dt) ok = int_arg(value, dt, -1);
+      else if (name == kw_es) es = value;
+      else ok = false;
+    }
+    if (ok) {
+      try {
+        py::object hit = table->lookup(THPVariable_Unpack(args[0]), args[1], es, il, sw, l2, oob, dt);
+        if (!hit.is_none()) return hit.release().ptr();
+      } catch (const std::exception&) {
+        PyErr_Clear();  // the Python path repeats the lookup and reports the problem properly
+      }
+    }
+  }
+  return PyObject_Vectorcall(miss, args, nargsf, kwnames);
+}
+
+PyMethodDef fast_get_def = {"get", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_get)),
+                            METH_FASTCALL | METH_KEYWORDS,
+                            "TensorMapCache.get's hit path (native); misses go to the Python implementation"};
+
+py::object make_fast_get(py::object table, py::object miss) {
+  py::object capsule =
+      py::reinterpret_steal<py::object>(PyCapsule_New(table.cast<Table*>(), "torch_tma.Table", nullptr));
+  py::tuple self = py::make_tuple(capsule, table, miss);
+  return py::reinterpret_steal<py::object>(PyCFunction_NewEx(&fast_get_def, self.ptr(), nullptr));
+}
+
+// A bound handle's source lives in the handle's own __dict__ (so reference cycles through modules stay visible to
+// the garbage collector): `_src` and `_src_attr`, where _src_attr is None (the source is the tensor), a str (the
+// source is a module: read its _parameters/_buffers like nn.Module.__getattr__, without its Python frame), or
+// Ellipsis (the source is a zero-argument callable).
+struct BoundState {
+  PyObject* table_obj;
+  Table* table;
+  int64_t id;
+};
+
+void free_bound_state(PyObject* capsule) {
+  auto* st = static_cast<BoundState*>(PyCapsule_GetPointer(capsule, "torch_tma.BoundState"));
+  Py_XDECREF(st->table_obj);
+  delete st;
+}
+
+py::object make_bound_state(py::object table, int64_t id) {
+  auto* st = new BoundState{table.ptr(), table.cast<Table*>(), id};
+  Py_INCREF(st->table_obj);
+  return py::reinterpret_steal<py::object>(PyCapsule_New(st, "torch_tma.BoundState", free_bound_state));
+}
+
+// New reference to the source's current tensor, or nullptr with an exception set.
+PyObject* bound_source(PyObject* src, PyObject* attr) {
+  if (attr == Py_None) {
+    Py_INCREF(src);
+    return src;
+  }
+  if (attr == Py_Ellipsis) return PyObject_CallNoArgs(src);
+  PyObject* dict = PyObject_GenericGetDict(src, nullptr);
+  if (dict) {
+    for (PyObject* which : {attr_parameters, attr_buffers}) {
+      PyObject* d = PyDict_GetItemWithError(dict, which);
+      PyObject* t = d && PyDict_Check(d) ? PyDict_GetItemWithError(d, attr) : nullptr;
+      if (t && t != Py_None) {
+        Py_INCREF(t);
+        Py_DECREF(dict);
+        return t;
+      }
+    }
+    Py_DECREF(dict);
+  }
+  PyErr_Clear();
+  return PyObject_GetAttr(src, attr);
+}
+
+// BoundTensorMap.ptr: the slot address if the source tensor still has the address, dtype, shape and strides it
+// was encoded for; otherwise handle._refresh_and_ptr() (Python) refreshes in place and returns the same address.
+PyObject* bound_ptr(PyObject*, PyObject* handle) {
+  PyObject* dict = PyObject_GenericGetDict(handle, nullptr);
+  if (!dict) return nullptr;
+  PyObject* capsule = PyDict_GetItemWithError(dict, attr_native);
+  PyObject* src = PyDict_GetItemWithError(dict, attr_src);
+  PyObject* attr = PyDict_GetItemWithError(dict, attr_src_attr);
+  Py_DECREF(dict);  // the handle keeps the items alive
+  if (!capsule || !src || !attr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "BoundTensorMap is not initialised");
+    return nullptr;
+  }
+  auto* st = static_cast<BoundState*>(PyCapsule_GetPointer(capsule, "torch_tma.BoundState"));
+  if (!st) return nullptr;
+  PyObject* t = bound_source(src, attr);
+  if (!t) return nullptr;
+  int64_t ptr = 0;
+  if (THPVariable_Check(t)) {
+    try {
+      ptr = st->table->current_ptr(st->id, THPVariable_Unpack(t));
+    } catch (const std::exception& e) {
+      Py_DECREF(t);
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return nullptr;
+    }
+  }
+  Py_DECREF(t);
+  if (ptr) return PyLong_FromLongLong(ptr);
+  return PyObject_CallMethodNoArgs(handle, attr_refresh);
+}
+
+PyMethodDef bound_ptr_def = {"bound_ptr", bound_ptr, METH_O,
+                             "BoundTensorMap.ptr's getter: slot address, refreshing in place if the source moved"};
+
+void intern_names() {
+  kw_swizzle = PyUnicode_InternFromString("swizzle");
+  kw_l2 = PyUnicode_InternFromString("l2_promotion");
+  kw_interleave = PyUnicode_InternFromString("interleave");
+  kw_oob = PyUnicode_InternFromString("oob_fill");
+  kw_es = PyUnicode_InternFromString("elem_strides");
+  kw_dt = PyUnicode_InternFromString("data_type");
+  attr_native = PyUnicode_InternFromString("_native");
+  attr_parameters = PyUnicode_InternFromString("_parameters");
+  attr_buffers = PyUnicode_InternFromString("_buffers");
+  attr_refresh = PyUnicode_InternFromString("_refresh_and_ptr");
+  attr_src = PyUnicode_InternFromString("_src");
+  attr_src_attr = PyUnicode_InternFromString("_src_attr");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -476,6 +659,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("data_type"), py::arg("address"), py::arg("dims"), py::arg("strides"), py::arg("box"),
         py::arg("elem_strides"), py::arg("interleave"), py::arg("swizzle"), py::arg("l2_promotion"),
         py::arg("oob_fill"), py::arg("device_index"));
+  intern_names();
+  m.def("make_fast_get", &make_fast_get, "a native get(tensor, box, **encoding) bound to a table and a miss handler");
+  m.def("make_bound_state", &make_bound_state, "the native state behind BoundTensorMap.ptr", py::arg("table"),
+        py::arg("entry_id"));
+  m.add_object("bound_ptr", py::reinterpret_steal<py::object>(PyCFunction_NewEx(&bound_ptr_def, nullptr, nullptr)));
   m.def("driver_status", &driver_status, "empty if the driver is usable, else why not (loads it on first call)");
   py::class_<Table>(m, "Table")
       .def(py::init<const std::string&, int>())

@@ -152,7 +152,7 @@ def test_cache_argument_errors():
         torch_tma.TensorMapCache("cpu", capacity_bytes=128, chunk_bytes=256)
     with pytest.raises(TypeError, match="expected a TensorMapSpec, got dict"):
         cpu_cache().get_spec({})
-    with pytest.raises(TypeError, match="source must be a tensor or a zero-argument callable"):
+    with pytest.raises(TypeError, match=r"source must be a tensor, a \(module, attribute name\) pair or a zero-argument callable"):
         cpu_cache().bind(3, (8, 8))
 
 

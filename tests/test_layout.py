@@ -31,7 +31,7 @@ def test_records_cover_the_space():
     inputs = [r["inputs"] for r in RECORDS]
     assert len(inputs) >= 200
     assert {i["dt"] for i in inputs} == set(range(13))
-    assert {i["rank"] for i in inputs} >= {2, 3, 4, 5}
+    assert {i["rank"] for i in inputs} == {1, 2, 3, 4, 5}
     assert {i["sw"] for i in inputs} >= {0, 1, 2, 3}
     assert {i["l2"] for i in inputs} == {0, 1, 2, 3}
     assert {i["il"] for i in inputs} == {0, 1, 2}

@@ -18,6 +18,7 @@ Lifetimes (DESIGN invariants 2-4):
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -89,21 +90,31 @@ class TensorMap:
 
 
 class BoundTensorMap:
-    """A pinned slot tied to a tensor source (a tensor, or a callable returning the current one, e.g.
-    ``lambda: module.weight``). ``ptr`` checks that the source still has the address, dtype, shape and strides
-    it was encoded for and refreshes the slot in place if not; the address never changes."""
+    """A pinned slot tied to a tensor source: a tensor (``param.data = new`` is seen, since the Parameter object
+    stays), a ``(module, "weight")`` pair (the attribute is read each time, so a replaced Parameter is seen too),
+    or a zero-argument callable returning the current tensor. ``ptr`` checks natively that the source still has
+    the address, dtype, shape and strides it was encoded for and refreshes the slot in place if not; the address
+    never changes."""
 
-    def __init__(self, cache: "TensorMapCache", source: Callable[[], torch.Tensor],
-                 make_spec: Callable[[torch.Tensor], TensorMapSpec], key_args: tuple | None):
-        self._cache, self._source, self._make_spec, self._key_args = cache, source, make_spec, key_args
+    # Native getter (csrc/tma_core.cpp: bound_ptr): reads _native, _src and _src_attr from this object's __dict__.
+    ptr = property(_C.bound_ptr, doc="Device address of the slot (stable); refreshes first if the source moved.")
+
+    def __init__(self, cache: "TensorMapCache", source, make_spec: Callable[[torch.Tensor], TensorMapSpec],
+                 key_args: tuple | None):
+        self._src, self._src_attr = _as_source(source)
+        self._cache, self._make_spec, self._key_args = cache, make_spec, key_args
         self.map: TensorMap = cache._bind_new(self)
         self._id = self.map._entry_id
+        self._native = _C.make_bound_state(cache._table, self._id)
         self._finalizer = weakref.finalize(self, cache._release, self._id)
 
-    @property
-    def ptr(self) -> int:
-        ptr = self._cache._table.current_ptr(self._id, self._source())
-        return ptr if ptr else self._refresh_and_ptr()
+    def tensor(self) -> torch.Tensor:
+        """The source's current tensor."""
+        if self._src_attr is None:
+            return self._src
+        if self._src_attr is Ellipsis:
+            return self._src()
+        return getattr(self._src, self._src_attr)
 
     def _refresh_and_ptr(self) -> int:
         self.refresh()
@@ -147,12 +158,16 @@ class TensorMapCache:
         self._counts = dict(misses=0, encodes=0, refreshes=0, evictions=0)
         self._capability = None
         self._encode_tiled = _C.encode_tiled  # the driver call; CPU tests of the bookkeeping substitute a fake
+        # The instance's get is native (csrc/tma_core.cpp: fast_get): a hit never enters Python; anything else
+        # calls the Python method below with the same arguments.
+        self.get = _C.make_fast_get(self._table, functools.partial(TensorMapCache.get, self))
 
     # ---- lookups ------------------------------------------------------------------------------------------
     def get(self, tensor: torch.Tensor, box, *, swizzle=Swizzle.NONE, l2_promotion=L2Promotion.L2_128B,
             interleave=Interleave.NONE, oob_fill=OOBFill.NONE, elem_strides=None, data_type=None) -> TensorMap:
         """The descriptor for ``tensor`` with ``box`` (torch order, outermost first) and the given encoding.
-        A hit costs one native lookup; a miss encodes and writes a slot on the current stream."""
+        A hit costs one native lookup (on instances this method is served natively; this Python body runs for
+        misses); a miss encodes and writes a slot on the current stream."""
         try:
             hit = self._table.lookup(tensor, box, elem_strides, interleave, swizzle, l2_promotion, oob_fill,
                                      -1 if data_type is None else data_type)
@@ -193,18 +208,19 @@ class TensorMapCache:
     # ---- bound handles ------------------------------------------------------------------------------------
     def bind(self, source, box, *, swizzle=Swizzle.NONE, l2_promotion=L2Promotion.L2_128B,
              interleave=Interleave.NONE, oob_fill=OOBFill.NONE, elem_strides=None, data_type=None) -> BoundTensorMap:
-        """A pinned, refreshable descriptor for ``source`` (a tensor or a zero-argument callable returning the
-        current tensor). While bound, ``get`` with the same tensor and arguments returns the bound slot."""
+        """A pinned, refreshable descriptor for ``source``: a tensor, a ``(module, attribute name)`` pair, or a
+        zero-argument callable returning the current tensor (the first two are checked without entering Python).
+        While bound, ``get`` with the same tensor and arguments returns the bound slot."""
         kw = dict(swizzle=swizzle, l2_promotion=l2_promotion, interleave=interleave, oob_fill=oob_fill,
                   elem_strides=elem_strides, data_type=data_type)
         key_args = (box, elem_strides, interleave, swizzle, l2_promotion, oob_fill,
                     -1 if data_type is None else data_type)
-        return BoundTensorMap(self, _as_source(source), lambda t: TensorMapSpec.from_tensor(t, box, **kw), key_args)
+        return BoundTensorMap(self, source, lambda t: TensorMapSpec.from_tensor(t, box, **kw), key_args)
 
     def bind_spec(self, source, make_spec: Callable[[torch.Tensor], TensorMapSpec]) -> BoundTensorMap:
         """Like ``bind`` for specs built by ``make_spec(tensor)`` (e.g. from a CuTe DSL atom); ``get_spec`` with
         the current spec returns the bound slot."""
-        return BoundTensorMap(self, _as_source(source), make_spec, None)
+        return BoundTensorMap(self, source, make_spec, None)
 
     def refresh_all(self) -> int:
         """Refresh every bound handle whose source moved (after reloading weights, before replaying graphs).
@@ -212,7 +228,7 @@ class TensorMapCache:
         return sum(handle.refresh() for handle in list(self._bound))
 
     def _bind_new(self, handle: BoundTensorMap) -> TensorMap:
-        tensor = handle._source()
+        tensor = handle.tensor()
         spec = handle._make_spec(tensor)
         self._check_device(tensor)
         with self._lock:
@@ -234,7 +250,7 @@ class TensorMapCache:
         self._table.set_fingerprint(tm._entry_id, tensor, tm._ptr)
 
     def _refresh(self, handle: BoundTensorMap) -> bool:
-        tensor = handle._source()
+        tensor = handle.tensor()
         tm = handle.map
         if self._table.matches(tm._entry_id, tensor):
             return False
@@ -371,13 +387,16 @@ class TensorMapCache:
                 f"{self.capacity_bytes} B reserved, {s['hits']} hits / {s['misses']} misses)")
 
 
-def _as_source(source) -> Callable[[], torch.Tensor]:
+def _as_source(source) -> tuple:
+    """(object, attribute): (tensor, None), (module, "name"), or (callable, Ellipsis)."""
     if isinstance(source, torch.Tensor):
-        return lambda: source
-    if callable(source):
+        return source, None
+    if isinstance(source, tuple) and len(source) == 2 and isinstance(source[1], str):
         return source
-    raise TypeError(f"source must be a tensor or a zero-argument callable returning one, "
-                    f"got {type(source).__name__}")
+    if callable(source):
+        return source, Ellipsis
+    raise TypeError(f"source must be a tensor, a (module, attribute name) pair or a zero-argument callable "
+                    f"returning a tensor, got {type(source).__name__}")
 
 
 _default_caches: dict[torch.device, TensorMapCache] = {}
