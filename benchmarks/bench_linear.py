@@ -1,0 +1,310 @@
+"""Weight-streaming linear on the H200: torch_tma's kernel against cuBLAS (F.linear) and the streaming floor.
+
+    python benchmarks/bench_linear.py                      # full run (< 6 min on an H200), writes CSV + PNG
+    python benchmarks/bench_linear.py --quick              # two shapes, M in {1, 16}: a smoke run
+    python benchmarks/bench_linear.py --plot CSV           # only redraw the PNG from a CSV (any machine)
+
+For every shape N x K and M in {1, 2, 4, 8, 16, 32, 64} (bf16, no bias): validate both providers against a
+float64 reference, then time them as CUDA events around replays of one CUDA graph that holds many calls,
+each on the next of several weight copies so the working set is well past the 60 MB L2 (what a model's
+layer sequence does). The floor is (weight + x + y bytes) / ceiling, with the ceiling measured in the same
+run (a 2 GiB torch.sum read and a 1 GiB device copy, the faster). Then a sweep of the weight descriptor's
+L2 promotion (NONE / 64B / 128B / 256B) per shape at M in {1, 16, 64}, and the eager host cost per call.
+
+Writes docs/results/linear-h200.csv (long format, one row per measurement) and docs/results/linear-h200.png
+(% of floor by shape and M for both providers), and prints a summary with the geomean speedup.
+"""
+
+import argparse
+import csv
+import datetime
+import functools
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (N, K)
+    "llama8b.qkv": (6144, 4096),
+    "llama8b.o": (4096, 4096),
+    "llama8b.gate_up": (28672, 4096),
+    "llama8b.down": (4096, 14336),
+    "llama70b.qkv": (10240, 8192),
+    "llama70b.gate_up": (57344, 8192),
+    "llama70b.down": (8192, 28672),
+}
+MS = (1, 2, 4, 8, 16, 32, 64)
+SWEEP_MS = (1, 16, 64)
+DTYPE = torch.bfloat16
+ROTATION_BYTES = 400 << 20  # weight copies per shape: together at least this much, ~7x the L2
+CALLS_PER_GRAPH = 40
+REPLAYS = 15
+CSV_FIELDS = ["metric", "name", "N", "K", "M", "dtype", "provider", "l2_promotion", "us_p20", "us_p50", "us_p80",
+              "floor_us", "ceiling_gbs", "pct_floor", "gpu", "torch", "date"]
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CSV = os.path.join(HERE, "..", "docs", "results", "linear-h200.csv")
+
+
+# ---- measurement ---------------------------------------------------------------------------------------
+
+
+def graph_time_us(calls, stream) -> tuple[float, float, float]:
+    """GPU microseconds per call (p20, p50, p80 over REPLAYS) of one CUDA graph that runs every call once."""
+    stream.wait_stream(torch.cuda.current_stream())  # inputs and descriptor slots were written there
+    with torch.cuda.stream(stream):  # warm up on the capture stream: compile, workspaces, cuBLAS handles
+        for call in calls:
+            call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) * 1e3 / len(calls))
+    q = statistics.quantiles(per_call, n=10)
+    return q[1], statistics.median(per_call), q[7]
+
+
+def measure_ceiling_gbs(stream) -> dict:
+    """Streaming rates of this GPU now, in GB/s: a 2 GiB read (torch.sum) and a 1 GiB copy (read + write)."""
+    buf = torch.randn(1 << 30, dtype=DTYPE, device="cuda")  # 2 GiB
+    _, sum_us, _ = graph_time_us([lambda: buf.sum(dtype=torch.float32)] * 5, stream)
+    src, dst = buf[: 1 << 29], torch.empty(1 << 29, dtype=DTYPE, device="cuda")
+    _, copy_us, _ = graph_time_us([lambda: dst.copy_(src)] * 5, stream)
+    return {"sum_read": buf.numel() * 2 / sum_us / 1e3, "copy_read_write": 2 * src.numel() * 2 / copy_us / 1e3}
+
+
+def check_close(out, x, weight, label):
+    """|out - ref64| <= 2 |F.linear - ref64| + eps * max|ref64| elementwise; raise naming the cell if not."""
+    ref = x.double() @ weight.double().t()
+    lowp = F.linear(x, weight).double()
+    atol = torch.finfo(out.dtype).eps * ref.abs().max().item()
+    err, limit = (out.double() - ref).abs(), 2 * (lowp - ref).abs() + atol
+    if not bool((err <= limit).all()):  # NaN (an unwritten element) fails here too
+        torch_err = (lowp - ref).abs().max().item()
+        raise AssertionError(f"{label}: {int((~(err <= limit)).sum())} of {err.numel()} elements off the float64 "
+                             f"reference (max error {err.max().item():.4g}, torch's {torch_err:.4g})")
+
+
+class Shape:
+    """Weight copies of one shape, their descriptors per L2 promotion, and the calls to time."""
+
+    def __init__(self, name, n, k, linear, cache):
+        self.name, self.n, self.k, self.linear, self.cache = name, n, k, linear, cache
+        weight_bytes = n * k * 2
+        copies = max(2, -(-ROTATION_BYTES // weight_bytes))
+        self.weights = [(torch.randn(n, k, device="cuda") / math.sqrt(k)).to(DTYPE) for _ in range(copies)]
+        self.calls = copies * max(1, CALLS_PER_GRAPH // copies)
+        self._maps = {}
+
+    def maps(self, promotion):
+        """Descriptor addresses of the weight copies for one promotion (made before any capture)."""
+        if promotion not in self._maps:
+            box, swizzle = self.linear.weight_box(self.n, self.k, DTYPE), self.linear.weight_swizzle(DTYPE)
+            self._maps[promotion] = [self.cache.get(w, box, swizzle=swizzle, l2_promotion=promotion).ptr
+                                     for w in self.weights]
+        return self._maps[promotion]
+
+    def ours(self, x, out, promotion):
+        maps = self.maps(promotion)
+        return [functools.partial(self.linear.linear_out, x, self.weights[i % len(maps)], None, out,
+                                  maps[i % len(maps)], l2_promotion=promotion) for i in range(self.calls)]
+
+    def cublas(self, x):
+        return [functools.partial(F.linear, x, self.weights[i % len(self.weights)]) for i in range(self.calls)]
+
+
+def host_us_per_call(fn, calls=500) -> float:
+    """CPU microseconds to enqueue one call; the GPU stays busy longer than the loop, so this is host cost."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def run(shapes, ms, sweep_ms, csv_path):
+    import torch_tma
+    from torch_tma.kernels import linear
+
+    device = torch.device("cuda")
+    assert torch.cuda.get_device_capability() == (9, 0), "this benchmark is for Hopper (sm_90)"
+    cache = torch_tma.default_cache(device)
+    stream = torch.cuda.Stream()
+    started = time.perf_counter()
+    common = {"dtype": "bfloat16", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": datetime.date.today().isoformat()}
+    rates = measure_ceiling_gbs(stream)
+    torch.cuda.empty_cache()  # the 3 GiB of buffers go back before the weights come
+    ceiling = max(rates.values())
+    print(f"ceiling: torch.sum read {rates['sum_read']:.0f} GB/s, copy (read+write) {rates['copy_read_write']:.0f} "
+          f"GB/s -> {ceiling:.0f} GB/s", flush=True)
+    rows = []
+
+    def record(metric, name, n, k, m, provider, promotion, times, floor_us=None) -> float:
+        p20, p50, p80 = times
+        rows.append({**common, "metric": metric, "name": name, "N": n, "K": k, "M": m, "provider": provider,
+                     "l2_promotion": promotion, "us_p20": f"{p20:.3f}", "us_p50": f"{p50:.3f}", "us_p80": f"{p80:.3f}",
+                     "floor_us": "" if floor_us is None else f"{floor_us:.3f}", "ceiling_gbs": f"{ceiling:.0f}",
+                     "pct_floor": "" if floor_us is None else f"{100 * floor_us / p50:.1f}"})
+        return p50
+
+    default = linear.DEFAULT_L2_PROMOTION
+    for name in shapes:
+        n, k = SHAPES[name]
+        shape = Shape(name, n, k, linear, cache)
+        for m in ms:
+            x = torch.randn(m, k, dtype=DTYPE, device=device)
+            out = torch.full((m, n), math.nan, dtype=DTYPE, device=device)
+            assert linear.unsupported_reason(x, shape.weights[0], None) is None
+            floor_us = (n * k + m * k + m * n) * 2 / ceiling / 1e3
+            # the default promotion first: its row is the cell's torch_tma result
+            promotions = [default] + ([p for p in torch_tma.L2Promotion if p != default] if m in sweep_ms else [])
+            for promotion in promotions:
+                calls = shape.ours(x, out, promotion)
+                out.fill_(math.nan)
+                calls[0]()
+                check_close(out, x, shape.weights[0], f"torch_tma {name} M={m} {promotion.name}")
+                metric = "gpu_us" if promotion == default else "gpu_us_promotion_sweep"
+                us = record(metric, name, n, k, m, "torch_tma", promotion.name, graph_time_us(calls, stream), floor_us)
+                if promotion == default:
+                    ours = us
+            check_close(F.linear(x, shape.weights[0]), x, shape.weights[0], f"cublas {name} M={m}")
+            theirs = record("gpu_us", name, n, k, m, "cublas", "", graph_time_us(shape.cublas(x), stream), floor_us)
+            print(f"{name:18s} M={m:<3d} torch_tma {ours:8.2f} us  cublas {theirs:8.2f} us  floor {floor_us:7.2f} us  "
+                  f"speedup {theirs / ours:5.2f}x  [{time.perf_counter() - started:5.0f} s]", flush=True)
+        del shape
+        torch.cuda.empty_cache()
+
+    n, k = SHAPES["llama8b.gate_up"]
+    weight = (torch.randn(n, k, device=device) / math.sqrt(k)).to(DTYPE)
+    x = torch.randn(1, k, dtype=DTYPE, device=device)
+    for provider, promotion, fn in (("torch_tma_op", default.name, lambda: torch.ops.tma.linear(x, weight)),
+                                    ("cublas", "", lambda: F.linear(x, weight))):
+        us = host_us_per_call(fn)
+        record("host_us", "llama8b.gate_up", n, k, 1, provider, promotion, (us, us, us))
+    os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {csv_path} ({len(rows)} rows) in {time.perf_counter() - started:.0f} s")
+    return rows
+
+
+# ---- report ----------------------------------------------------------------------------------------------
+
+
+def summarize(rows):
+    """Print speedups and the targets: no cell >2 % slower than cuBLAS, >= 90 % of floor on weights >= 100 MB,
+    geomean speedup >= 1.15x, >= 1.4x on 4096x4096 for M <= 16; and the best promotion per shape."""
+    cells = {}
+    for r in rows:
+        if r["metric"] == "gpu_us":
+            cells.setdefault((r["name"], int(r["M"])), {})[r["provider"]] = r
+    speedups, slow, low_floor = [], [], []
+    for (name, m), by in sorted(cells.items()):
+        ours, theirs = float(by["torch_tma"]["us_p50"]), float(by["cublas"]["us_p50"])
+        speedups.append(theirs / ours)
+        if ours > 1.02 * theirs:
+            slow.append(f"{name} M={m}: {ours:.2f} us vs cuBLAS {theirs:.2f} us")
+        n, k = int(by["torch_tma"]["N"]), int(by["torch_tma"]["K"])
+        if n * k * 2 >= 100e6 and float(by["torch_tma"]["pct_floor"]) < 90:
+            low_floor.append(f"{name} M={m}: {by['torch_tma']['pct_floor']} % of floor")
+    geomean = math.exp(sum(map(math.log, speedups)) / len(speedups))
+    small = [float(by["cublas"]["us_p50"]) / float(by["torch_tma"]["us_p50"])
+             for (name, m), by in cells.items() if name == "llama8b.o" and m <= 16]
+    print(f"\ngeomean speedup over cuBLAS: {geomean:.3f}x over {len(speedups)} cells (target >= 1.15x)")
+    if small:
+        print(f"4096x4096, M <= 16: min speedup {min(small):.2f}x (target >= 1.4x)")
+    print(f"cells more than 2 % slower than cuBLAS: {len(slow)}" + "".join(f"\n  {s}" for s in slow))
+    print(f"cells on weights >= 100 MB under 90 % of floor: {len(low_floor)}" + "".join(f"\n  {s}" for s in low_floor))
+    sweep = {}
+    for r in rows:
+        if r["provider"] == "torch_tma" and r["metric"] in ("gpu_us", "gpu_us_promotion_sweep"):
+            sweep.setdefault((r["name"], int(r["M"])), {})[r["l2_promotion"]] = float(r["us_p50"])
+    print("\nL2 promotion sweep (p50 us; * = fastest):")
+    for (name, m), by in sorted(sweep.items()):
+        if len(by) > 1:
+            best = min(by, key=by.get)
+            cells = "  ".join(f"{p}{'*' if p == best else ' '} {us:8.2f}" for p, us in by.items())
+            print(f"  {name:18s} M={m:<3d} {cells}")
+    for r in rows:
+        if r["metric"] == "host_us":
+            print(f"eager host cost per call, {r['provider']}: {float(r['us_p50']):.1f} us")
+
+
+def plot(csv_path, png_path):
+    """% of floor against M, one panel per shape, torch_tma and cuBLAS."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(csv_path) as f:
+        rows = [r for r in csv.DictReader(f) if r["metric"] == "gpu_us"]
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    cols = 4
+    fig, axes = plt.subplots(-(-len(names) // cols), cols, figsize=(4 * cols, 3.2 * -(-len(names) // cols)),
+                             squeeze=False, sharey=True)
+    for ax, name in zip(axes.flat, names):
+        for provider, style in (("torch_tma", "o-"), ("cublas", "s--")):
+            pts = sorted((int(r["M"]), float(r["pct_floor"]))
+                         for r in rows if r["name"] == name and r["provider"] == provider)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=provider)
+        n, k = next((r["N"], r["K"]) for r in rows if r["name"] == name)
+        ax.set_title(f"{name} {n}x{k}", fontsize=9)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(MS, [str(m) for m in MS])
+        ax.axhline(100, color="gray", lw=0.5)
+        ax.set_xlabel("M")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(names):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("% of streaming floor")
+    axes[0][0].legend(fontsize=8)
+    first = rows[0]
+    fig.suptitle(f"bf16 linear, {first['gpu']}, ceiling {first['ceiling_gbs']} GB/s, {first['date']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    print(f"wrote {png_path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--csv", default=DEFAULT_CSV, help="output CSV (default docs/results/linear-h200.csv)")
+    parser.add_argument("--quick", action="store_true", help="two shapes, M in {1, 16}")
+    parser.add_argument("--plot", metavar="CSV", help="only draw the PNG from an existing CSV")
+    args = parser.parse_args()
+    if args.plot:
+        plot(args.plot, os.path.splitext(args.plot)[0] + ".png")
+        return
+    shapes = ["llama8b.o", "llama70b.qkv"] if args.quick else list(SHAPES)
+    ms, sweep_ms = ((1, 16), (16,)) if args.quick else (MS, SWEEP_MS)
+    rows = run(shapes, ms, sweep_ms, args.csv)
+    summarize(rows)
+    try:
+        plot(args.csv, os.path.splitext(args.csv)[0] + ".png")
+    except ImportError:
+        print(f"matplotlib is not installed here: draw the PNG elsewhere with "
+              f"python benchmarks/bench_linear.py --plot {args.csv}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""The weight-streaming linear kernel (torch_tma/kernels/linear.py), below the op.
+
+CPU (CI, CUTE_DSL_ARCH=sm_90a): every static configuration compiles for sm_90a, loads the weight through
+the descriptor argument after the acquire fence, issues the wgmma shape it is built for, and (where
+nvdisasm is installed) has no predicated R2UR; the descriptor the op requests (weight_box, weight_swizzle)
+equals the one the kernel's own TMA atom describes.
+
+GPU (requires_sm90, hard timeouts: a TMA or mbarrier mistake hangs instead of failing): results against a
+float64 reference with the output poisoned, for every benchmark shape and ragged ones, every M in 1..64,
+with and without bias, both dtypes; strided x rows, a weight at a storage offset, no writes outside out,
+every L2 promotion, determinism, counters left at zero, CUDA-graph replay; every unsupported_reason.
+"""
+
+import functools
+import glob
+import math
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+import torch_tma
+import torch_tma.cute as tma_cute
+from torch_tma.kernels import linear
+from test_ops import assert_matches_reference
+
+DSL_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+CONFIGS = [(dtype, m_pad, bias) for dtype in DSL_DTYPES for m_pad in linear.M_PADS for bias in (False, True)]
+CONFIG_IDS = [f"{str(d).split('.')[1]}-m{m}-{'bias' if b else 'nobias'}" for d, m, b in CONFIGS]
+
+# (N, K) of benchmarks/bench_linear.py, then ragged ones: N and K not multiples of the 128 x 64 weight
+# block (K a multiple of 8, not of 64), a single block, and a tail of 8 columns.
+BENCH_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (57344, 8192), (8192, 28672)]
+RAGGED_SHAPES = [(1000, 1000), (129, 72), (1, 8), (8191, 4104), (300, 200)]
+GPU_TIMEOUT_S = 300
+
+
+def _ptx_and_cubin(dtype, m_pad, has_bias, tmp_path):
+    linear.compile_kernel(DSL_DTYPES[dtype], m_pad, has_bias, f"--keep-ptx --keep-cubin --dump-dir={tmp_path}")
+    (ptx,) = glob.glob(str(tmp_path / "*.ptx"))
+    (cubin,) = glob.glob(str(tmp_path / "*.cubin"))
+    with open(ptx) as f:
+        return f.read(), cubin
+
+
+# ---- CPU: compiled code ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,m_pad,has_bias", CONFIGS, ids=CONFIG_IDS)
+def test_kernel_compiles_for_sm90a(dtype, m_pad, has_bias, tmp_path):
+    ptx, _ = _ptx_and_cubin(dtype, m_pad, has_bias, tmp_path)
+    assert re.search(r"^\.target sm_90a", ptx, re.M), "not compiled for sm_90a"
+    # The weight descriptor address is the kernel's Int64 argument; it is acquired, then every weight load
+    # reads through it, and x loads through the atom's own descriptor: exactly two TMA loads per stage.
+    (fenced,) = re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.\w+ \[(%rd\d+)\], 128;", ptx)
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\S* \[[^\]]+\], \[(%rd\d+), \{", ptx)
+    assert len(loads) == 2 and loads.count(fenced) == 1, (fenced, loads)
+    argument = re.search(r"ld\.param\.b64\s+" + re.escape(fenced) + r", \[\w+_param_(\d+)\];", ptx)
+    assert argument, f"the fenced descriptor {fenced} is not loaded from a kernel argument"
+    ab = "bf16" if dtype == torch.bfloat16 else "f16"
+    mma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.(\w+)\.(\w+)", ptx))
+    assert mma == {(f"m64n{m_pad}k16", ab, ab)}, mma
+
+
+def _nvdisasm():
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia
+
+        candidates = [os.path.join(p, "cu13", "bin", "nvdisasm") for p in nvidia.__path__]
+    except ImportError:
+        candidates = []
+    return next((c for c in candidates if os.path.exists(c)), None)
+
+
+@pytest.mark.parametrize("m_pad", [linear.M_PADS[0], linear.M_PADS[-1]])
+def test_no_predicated_r2ur(m_pad, tmp_path):
+    """A uniform-register move under an elected thread's predicate is an illegal instruction on sm_90a
+    (error 715 at run time, seen in CUTLASS's Hopper grouped GEMM). The loading warp keeps its block
+    coordinates loop-carried so that none is computed inside cute.copy's elected branch."""
+    nvdisasm = _nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    _, cubin = _ptx_and_cubin(torch.bfloat16, m_pad, True, tmp_path)
+    sass = subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True, text=True).stdout
+    assert sass.count("UTMALDG") == 2, "expected the weight and the x TMA load"
+    predicated = re.findall(r"@!?P\d\s+R2UR\b.*", sass)
+    assert not predicated, predicated
+
+
+# ---- CPU: the descriptor contract with the op --------------------------------------------------------
+
+
+def _weight_block_layout(dsl_dtype):
+    return cute.slice_(linear.weight_smem_layout(dsl_dtype, 1), (None, None, 0))
+
+
+# plan_atom caches on the factory object: one fixed factory per dtype.
+_WEIGHT_BLOCK_LAYOUTS = {dtype: functools.partial(_weight_block_layout, dsl) for dtype, dsl in DSL_DTYPES.items()}
+
+
+@pytest.mark.parametrize("dtype", list(DSL_DTYPES))
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 1000), (1, 8)])
+def test_weight_descriptor_matches_kernel_atom(dtype, n, k):
+    """The map the op asks the cache for (weight_box, weight_swizzle) is the kernel's TMA atom for the weight,
+    field by field, but for the promotion: otherwise the kernel reads wrong bytes or waits for bytes that
+    never arrive."""
+    weight = torch.randn(n, k).to(dtype)
+    for promotion in torch_tma.L2Promotion:
+        atom = tma_cute.plan_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), weight, _WEIGHT_BLOCK_LAYOUTS[dtype], (linear.TILE_N, linear.TILE_K)
+        ).spec(weight, promotion)
+        requested = torch_tma.TensorMapSpec.from_strided(
+            weight.data_ptr(), weight.dtype, weight.shape, weight.stride(), linear.weight_box(n, k, dtype),
+            swizzle=linear.weight_swizzle(dtype), l2_promotion=promotion,
+        )
+        assert requested == atom, f"\nop asks   {requested.describe()}\natom has  {atom.describe()}"
+
+
+def test_unsupported_reason_off_cuda():
+    x, weight = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(128, 64, dtype=torch.bfloat16)
+    assert "CUDA" in linear.unsupported_reason(x, weight, None)
+
+
+def test_linear_ref_is_float64_linear():
+    x, weight, bias = torch.randn(3, 40, dtype=torch.bfloat16), torch.randn(5, 40, dtype=torch.bfloat16), torch.randn(5)
+    ref = linear.linear_ref(x, weight, bias.bfloat16())
+    assert ref.dtype == torch.float64
+    expected = F.linear(x.double(), weight.double(), bias.bfloat16().double())
+    assert torch.equal(ref, expected)
+
+
+# ---- GPU: numerics -----------------------------------------------------------------------------------
+
+
+def on_gpu(test):
+    """Hopper only, under a hard timeout that kills the process (a hung kernel never returns to Python)."""
+    return pytest.mark.requires_sm90(pytest.mark.timeout(GPU_TIMEOUT_S, method="thread")(test))
+
+
+def _random(m, n, k, dtype, bias):
+    """Fresh x [m, k], weight [n, k] scaled so outputs are O(1), bias [n] or None."""
+    x = torch.randn(m, k, dtype=dtype, device="cuda")
+    weight = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(dtype)
+    b = torch.randn(n, dtype=dtype, device="cuda") if bias else None
+    return x, weight, b
+
+
+def _weight_map(weight, l2_promotion=linear.DEFAULT_L2_PROMOTION):
+    """The weight's descriptor from the default cache, requested as torch_tma.ops requests it."""
+    n, k = weight.shape
+    return torch_tma.default_cache(weight.device).get(
+        weight, linear.weight_box(n, k, weight.dtype), swizzle=linear.weight_swizzle(weight.dtype),
+        l2_promotion=l2_promotion,
+    )
+
+
+def _launch(x2d, weight, bias, out=None, l2_promotion=linear.DEFAULT_L2_PROMOTION):
+    """Poison out with NaN and run the kernel on it (a fresh out unless one is given)."""
+    assert linear.unsupported_reason(x2d, weight, bias) is None, linear.unsupported_reason(x2d, weight, bias)
+    if out is None:
+        out = torch.empty(x2d.shape[0], weight.shape[0], dtype=x2d.dtype, device=x2d.device)
+    out.fill_(math.nan)
+    linear.linear_out(x2d, weight, bias, out, _weight_map(weight, l2_promotion).ptr, l2_promotion=l2_promotion)
+    return out
+
+
+def _check(out, x2d, weight, bias, label):
+    try:
+        assert_matches_reference(out, F.linear(x2d, weight, bias), linear.linear_ref(x2d, weight, bias))
+    except AssertionError as e:
+        raise AssertionError(f"{label}: {e}") from None
+
+
+def _arrivals_all_zero():
+    torch.cuda.synchronize()
+    for ws in linear._workspaces.values():
+        assert int(ws.arrivals.abs().sum()) == 0, "split-K arrival counters not reset by the kernel"
+
+
+SHAPE_IDS = [f"{n}x{k}" for n, k in BENCH_SHAPES + RAGGED_SHAPES]
+
+
+@on_gpu
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", list(DSL_DTYPES), ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k", BENCH_SHAPES + RAGGED_SHAPES, ids=SHAPE_IDS)
+def test_matches_reference_every_m(n, k, dtype, bias):
+    weight = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(dtype)
+    b = torch.randn(n, dtype=dtype, device="cuda") if bias else None
+    for m in range(1, linear.M_PADS[-1] + 1):
+        x = torch.randn(m, k, dtype=dtype, device="cuda")
+        _check(_launch(x, weight, b), x, weight, b, f"{n}x{k} M={m}")
+    _arrivals_all_zero()
+
+
+@on_gpu
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 64])
+def test_strided_x_offset_weight_and_no_stray_writes(m):
+    """x rows with a padded stride, a weight that starts 16 bytes into its storage, and out as a window of a
+    NaN frame: the kernel must read through the strides and write exactly out, nothing beside it."""
+    n, k, dtype = 1000, 1000, torch.bfloat16
+    x = torch.randn(m, k + 24, dtype=dtype, device="cuda")[:, :k]
+    weight = (torch.randn(n * k + 8, device="cuda") / math.sqrt(k)).to(dtype)[8:].view(n, k)
+    assert weight.storage_offset() == 8 and x.stride(0) == k + 24
+    b = torch.randn(n, dtype=dtype, device="cuda")
+    frame = torch.full((m + 2, n + 16), math.nan, dtype=dtype, device="cuda")
+    out = frame[1 : m + 1, 8 : n + 8]
+    _launch(x, weight, b, out=out)
+    _check(out, x, weight, b, f"strided M={m}")
+    outside = frame.clone()
+    outside[1 : m + 1, 8 : n + 8] = 0
+    assert int(outside.isnan().sum()) == frame.numel() - m * n, "the kernel wrote outside out"
+
+
+@on_gpu
+def test_every_l2_promotion_same_bits():
+    """The promotion changes how L2 fetches, never the result, and the split-K sum runs in CTA order: results
+    are bitwise equal across promotions and across runs."""
+    x, weight, b = _random(5, 4096, 4096, torch.bfloat16, True)
+    runs = {p.name: _launch(x, weight, b, l2_promotion=p).clone() for p in torch_tma.L2Promotion}
+    runs["repeat"] = _launch(x, weight, b).clone()
+    _check(runs["repeat"], x, weight, b, "4096x4096 M=5")
+    for name, out in runs.items():
+        assert torch.equal(out, runs["repeat"]), f"{name} differs"
+
+
+@on_gpu
+def test_cuda_graph_replay():
+    """Captured once, replayed with new x: every replay is right, so the arrival counters are back at zero
+    after each one (the CTA that completes a tile resets its counter)."""
+    n, k, m, dtype = 4096, 4096, 3, torch.bfloat16
+    x, weight, b = _random(m, n, k, dtype, True)
+    weight_map = _weight_map(weight)
+    out = torch.empty(m, n, dtype=dtype, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the descriptor slot and inputs are written there
+    with torch.cuda.stream(stream):  # warm up: compile, and make the capture stream's workspace
+        linear.linear_out(x, weight, b, out, weight_map.ptr, l2_promotion=linear.DEFAULT_L2_PROMOTION)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        linear.linear_out(x, weight, b, out, weight_map.ptr, l2_promotion=linear.DEFAULT_L2_PROMOTION)
+    for replay in range(5):
+        x.copy_(torch.randn_like(x))
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, x, weight, b, f"replay {replay}")
+    _arrivals_all_zero()
+
+
+@on_gpu
+def test_unsupported_reasons():
+    x, weight, b = _random(4, 256, 512, torch.bfloat16, True)
+    assert linear.unsupported_reason(x, weight, b) is None
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    cases = {
+        "is not bfloat16 or float16": (x.float(), weight.float(), None),
+        "dtypes differ": (x, weight, b.half()),
+        "above the crossover": (torch.randn(65, 512, **bf16), weight, b),
+        "empty": (x[:0], weight, b),
+        "multiple of 8": (x[:, :500], weight[:, :500].contiguous(), b),
+        "weight is not contiguous": (x[:, :256], weight[:, :256], b),
+        "x strides": (torch.randn(512, 4, **bf16).t(), weight, b),
+        "16-byte aligned": (torch.randn(4 * 512 + 1, **bf16)[1:].view(4, 512), weight, b),
+        "is not a contiguous [N=256]": (x, weight, torch.randn(256, 2, **bf16)[:, 0]),
+    }
+    for expected, args in cases.items():
+        reason = linear.unsupported_reason(*args)
+        assert reason is not None and expected in reason, (expected, reason)

@@ -1,0 +1,313 @@
+"""torch.ops.tma.linear: numerics against float64, descriptor reuse, fallbacks, autograd, torch.compile, opcheck.
+
+Each behaviour is one _test_*(device, ...) helper with thin CPU and CUDA wrappers; the CUDA ones need an
+sm_90 GPU (marker requires_sm90) and run under a hard timeout because a TMA or mbarrier mistake hangs.
+"""
+
+import logging
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_tma
+from torch_tma import ops
+
+CUDA_TIMEOUT_S = 120
+
+# (leading dims of x, N, K): decode rows M = 1, 4, 16, 64 (the kernel's largest tile), ragged N and K
+# (not multiples of the 128 x 64 weight box), and x with two leading dims.
+SHAPES = [((1,), 4096, 4096), ((4,), 1000, 1032), ((2, 8), 384, 256), ((64,), 256, 512), ((1,), 136, 8)]
+
+
+def assert_matches_reference(ours: torch.Tensor, lowp: torch.Tensor, ref64: torch.Tensor) -> None:
+    """|ours - ref64| <= 2 |lowp - ref64| + atol elementwise, where lowp is PyTorch's own result in ours' dtype.
+
+    atol is one unit of ours' precision at the largest reference magnitude: where PyTorch's rounding happens to
+    land on the exact value, ours may still round the other way.
+    """
+    assert ours.shape == ref64.shape and ours.dtype == lowp.dtype, (ours.shape, ours.dtype, lowp.dtype)
+    ours64, lowp64, ref = ours.double().cpu(), lowp.double().cpu(), ref64.double().cpu()
+    assert torch.isfinite(ours64).all(), "output has non-finite values (unwritten, poisoned elements?)"
+    atol = torch.finfo(ours.dtype).eps * ref.abs().max().item()
+    err, limit = (ours64 - ref).abs(), 2 * (lowp64 - ref).abs() + atol
+    worst = (err - limit).argmax()
+    assert (err <= limit).all(), (
+        f"{(err > limit).sum().item()} of {err.numel()} elements off; worst at flat index {worst.item()}: "
+        f"ours {ours64.flatten()[worst].item()}, ref {ref.flatten()[worst].item()}, "
+        f"torch {lowp64.flatten()[worst].item()}"
+    )
+
+
+def poison_next_allocation(shape, dtype, device) -> None:
+    """Fill a block of shape's size with NaN and free it: the caching allocator hands that block to the op's
+    output next, so elements the kernel leaves unwritten show as NaN."""
+    if torch.device(device).type == "cuda":
+        torch.full(shape, math.nan, dtype=dtype, device=device)
+
+
+def random_linear(leading, n, k, dtype, device, bias=True):
+    """Fresh x [*leading, k], weight [n, k] and bias [n] (or None), scaled so outputs are O(1)."""
+    x = torch.randn(*leading, k, dtype=dtype, device=device)
+    weight = (torch.randn(n, k, dtype=torch.float64) / math.sqrt(k)).to(dtype=dtype, device=device)
+    b = torch.randn(n, dtype=dtype, device=device) if bias else None
+    return x, weight, b
+
+
+def reference(x, weight, bias):
+    """(PyTorch's own result in the inputs' dtype, the float64 result on the CPU)."""
+    ref64 = F.linear(x.double().cpu(), weight.double().cpu(), None if bias is None else bias.double().cpu())
+    return F.linear(x, weight, bias), ref64
+
+
+# ---- numerics -------------------------------------------------------------------------------------------
+
+
+def _test_matches_reference(device, dtype, leading, n, k, bias):
+    x, weight, b = random_linear(leading, n, k, dtype, device, bias)
+    if device == "cuda":  # these shapes are the kernel's: a silent fallback to F.linear would make this vacuous
+        assert ops.unsupported_reason(x.reshape(-1, k), weight, b) is None
+    poison_next_allocation((*leading, n), dtype, device)
+    out = torch.ops.tma.linear(x, weight, b)
+    assert out.device == x.device and out.shape == (*leading, n)
+    assert_matches_reference(out, *reference(x, weight, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("leading,n,k", SHAPES[1:4])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_reference_cpu(dtype, leading, n, k, bias):
+    _test_matches_reference("cpu", dtype, leading, n, k, bias)
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(CUDA_TIMEOUT_S)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("leading,n,k", SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_reference_cuda(dtype, leading, n, k, bias):
+    _test_matches_reference("cuda", dtype, leading, n, k, bias)
+
+
+def test_one_dimensional_x_cpu():
+    x, weight, b = random_linear((), 24, 40, torch.float32, "cpu")
+    out = torch.ops.tma.linear(x, weight, b)
+    assert out.shape == (24,)
+    assert_matches_reference(out, *reference(x, weight, b))
+
+
+def test_bad_arguments_name_the_argument():
+    x, weight, b = random_linear((3,), 16, 32, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="K=32"):
+        torch.ops.tma.linear(x[:, :16], weight, b)
+    with pytest.raises(ValueError, match="weight must be 2-D"):
+        torch.ops.tma.linear(x, weight.flatten(), b)
+    with pytest.raises(ValueError, match="bias must be"):
+        torch.ops.tma.linear(x, weight, b[:8])
+    with pytest.raises(ValueError, match="l2_promotion=7"):
+        torch.ops.tma.linear(x, weight, b, l2_promotion=7)
+
+
+# ---- the descriptor: looked up, never re-encoded -------------------------------------------------------
+
+
+def _weight_map_args(weight, promotion):
+    """(box, swizzle, promotion) the kernel asks for, from the kernel module's own functions."""
+    from torch_tma.kernels import linear as kernel
+
+    promotion = kernel.DEFAULT_L2_PROMOTION if promotion is None else promotion
+    return kernel.weight_box(*weight.shape, weight.dtype), kernel.weight_swizzle(weight.dtype), promotion
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(CUDA_TIMEOUT_S)
+def test_steady_state_encodes_and_copies_nothing():
+    cache = torch_tma.default_cache(torch.device("cuda"))
+    x, weight, b = random_linear((1,), 2048, 1024, torch.bfloat16, "cuda")
+    torch.ops.tma.linear(x, weight, b)  # first call: encodes the weight's descriptor
+    before = cache.stats()
+    inputs = [torch.randn_like(x) for _ in range(10)]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        outs = [torch.ops.tma.linear(xi, weight, b) for xi in inputs]
+        torch.cuda.synchronize()
+    after = cache.stats()
+    assert (after["encodes"], after["misses"]) == (before["encodes"], before["misses"])
+    assert after["hits"] == before["hits"] + len(inputs)
+    copies = [e.name for e in prof.events() if "memcpy" in e.name.lower()]
+    assert not copies, f"steady-state calls copied: {copies}"
+    for xi, out in zip(inputs, outs):
+        assert_matches_reference(out, *reference(xi, weight, b))
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(CUDA_TIMEOUT_S)
+@pytest.mark.parametrize("promotion", list(torch_tma.L2Promotion) + [None])
+def test_l2_promotion_reaches_the_descriptor(promotion):
+    cache = torch_tma.default_cache(torch.device("cuda"))
+    x, weight, b = random_linear((4,), 512, 512, torch.bfloat16, "cuda")
+    out = torch.ops.tma.linear(x, weight, b, l2_promotion=None if promotion is None else int(promotion))
+    assert_matches_reference(out, *reference(x, weight, b))
+    box, swizzle, expected = _weight_map_args(weight, promotion)
+    misses = cache.stats()["misses"]
+    weight_map = cache.get(weight, box, swizzle=swizzle, l2_promotion=expected)  # the op's key: must hit
+    assert cache.stats()["misses"] == misses
+    decoded = torch_tma.decode(weight_map.raw)
+    assert (decoded.l2_promotion, decoded.address) == (expected, weight.data_ptr())
+
+
+# ---- fallbacks ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(CUDA_TIMEOUT_S)
+def test_fallback_logs_one_reason_per_cause(monkeypatch, caplog):
+    monkeypatch.setattr(ops, "_logged_reasons", set())
+    x_big, weight, b = random_linear((512,), 256, 512, torch.bfloat16, "cuda")  # M above any crossover
+    strided = weight.t().contiguous().t()  # same values, not contiguous
+    x_odd, weight_odd, b_odd = random_linear((2,), 64, 36, torch.bfloat16, "cuda")  # 72-byte rows
+    x32, weight32, b32 = random_linear((2,), 64, 64, torch.float32, "cuda")
+    # Four causes; the M above the crossover comes twice, with other numbers.
+    cases = [(x_big, weight, b), (x_big[:300], weight, b), (x_big[:4], strided, b), (x_odd, weight_odd, b_odd),
+             (x32, weight32, b32)]
+    with caplog.at_level(logging.INFO, logger="torch_tma"):
+        for _ in range(2):
+            for case in cases:
+                assert torch.equal(torch.ops.tma.linear(*case), F.linear(*case))
+    reasons = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tma::linear falls back")]
+    assert len(reasons) == 4, reasons
+
+
+def test_fallback_causes_ignore_the_numbers(monkeypatch, caplog):
+    monkeypatch.setattr(ops, "_logged_reasons", set())
+    reasons = ["M=128 is above the crossover M=64 for a 4096x4096 weight",
+               "M=2048 is above the crossover M=64 for a 14336x4096 weight", "weight is not contiguous"]
+    with caplog.at_level(logging.INFO, logger="torch_tma"):
+        for reason in reasons * 2:
+            ops._log_fallback(reason)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"tma::linear falls back to F.linear: {reason}" for reason in (reasons[0], reasons[2])
+    ]
+
+
+def test_cpu_path_never_imports_the_kernel_module():
+    code = (
+        "import sys, torch, torch_tma; torch.ops.tma.linear(torch.randn(2, 32), torch.randn(16, 32)); "
+        "print('torch_tma.kernels.linear' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
+
+
+# ---- autograd, compile, opcheck -------------------------------------------------------------------------
+
+
+def _test_gradients_match_f_linear(device, dtype, leading, bias):
+    x, weight, b = random_linear(leading, 48, 64, dtype, device, bias)
+    grad_out = torch.randn(*leading, 48, dtype=dtype, device=device)
+
+    def grads(linear, x, weight, b):
+        leaves = [t.detach().requires_grad_() for t in (x, weight, b) if t is not None]
+        return torch.autograd.grad(linear(*leaves) if bias else linear(*leaves, None), leaves, grad_out.to(x))
+
+    ours = grads(torch.ops.tma.linear, x, weight, b)
+    stock = grads(F.linear, x, weight, b)
+    ref = grads(F.linear, *(None if t is None else t.double().cpu() for t in (x, weight, b)))
+    assert len(ours) == 2 + bias
+    for g_ours, g_stock, g_ref in zip(ours, stock, ref):
+        assert_matches_reference(g_ours, g_stock, g_ref)
+
+
+@pytest.mark.parametrize("leading", [(5,), (2, 3)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradients_match_f_linear_cpu(leading, bias):
+    _test_gradients_match_f_linear("cpu", torch.float64, leading, bias)
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(CUDA_TIMEOUT_S)
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradients_match_f_linear_cuda(bias):
+    _test_gradients_match_f_linear("cuda", torch.bfloat16, (2, 3), bias)
+
+
+def test_gradcheck_cpu():
+    x, weight, b = random_linear((3, 2), 5, 8, torch.float64, "cpu")
+    inputs = [t.requires_grad_() for t in (x, weight, b)]
+    assert torch.autograd.gradcheck(lambda *a: torch.ops.tma.linear(*a), inputs)
+    assert torch.autograd.gradgradcheck(lambda *a: torch.ops.tma.linear(*a), inputs)
+
+
+def _test_compile_fullgraph(device, dtype, dynamic):
+    def f(x, weight, bias):
+        return torch.relu(torch.ops.tma.linear(x, weight, bias, l2_promotion=int(torch_tma.L2Promotion.L2_256B)))
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    for m in (4, 8, 16):  # several M: one graph when dynamic, recompiles otherwise
+        x, weight, b = random_linear((m,), 256, 512, dtype, device)
+        lowp, ref64 = reference(x, weight, b)
+        assert_matches_reference(compiled(x, weight, b), torch.relu(lowp), torch.relu(ref64))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_cpu(dynamic):
+    _test_compile_fullgraph("cpu", torch.float32, dynamic)
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(2 * CUDA_TIMEOUT_S)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_cuda(dynamic):
+    _test_compile_fullgraph("cuda", torch.bfloat16, dynamic)
+
+
+def _test_opcheck(device, dtype):
+    for bias in (True, False):
+        for requires_grad in (False, True):
+            x, weight, b = random_linear((2, 3), 64, 128, dtype, device, bias)
+            args = [t.requires_grad_(requires_grad) if t is not None else None for t in (x, weight, b)]
+            torch.library.opcheck(torch.ops.tma.linear.default, tuple(args), {"l2_promotion": 2})
+
+
+def test_opcheck_cpu():
+    _test_opcheck("cpu", torch.float32)
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(2 * CUDA_TIMEOUT_S)
+def test_opcheck_cuda():
+    _test_opcheck("cuda", torch.bfloat16)
+
+
+# ---- CUDA graphs ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(CUDA_TIMEOUT_S)
+def test_cuda_graph_replays_with_new_inputs():
+    x, weight, b = random_linear((4,), 1024, 2048, torch.bfloat16, "cuda")
+    torch.ops.tma.linear(x, weight, b)  # warm-up: compile, encode, allocate the workspace
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.tma.linear(x, weight, b)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(math.nan)
+        graph.replay()
+        assert_matches_reference(out, *reference(x, weight, b))
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(CUDA_TIMEOUT_S)
+def test_cuda_graph_capture_of_an_unseen_weight_raises():
+    x, weight, b = random_linear((4,), 1024, 2048, torch.bfloat16, "cuda")
+    torch.ops.tma.linear(x, weight, b)
+    unseen = torch.randn_like(weight)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(torch_tma.CaptureMissError):
+        with torch.cuda.graph(graph):
+            torch.ops.tma.linear(x, unseen, b)

@@ -1,0 +1,554 @@
+"""Weight-streaming linear layer for Hopper: y = x W^T (+ b) for small M, W streamed through our descriptor.
+
+At decode sizes (M = 1..64 rows of x) a linear layer is a read of W: 4096x4096 bf16 is 32 MiB against
+at most 512 KiB of x and y. The kernel exists to read W at the H200's streaming ceiling (~4.4 TB/s,
+shared/reference/h200-baseline.md) through a device-resident descriptor from torch_tma's cache, with
+the L2 promotion the caller picked, where cuBLAS leaves 20-40 % on the table at 32-120 MB weights.
+
+How (one CTA per SM, 160 threads):
+- Swapped operands. The wgmma A operand is a 128-row tile of W (two m64 instructions), B is x padded
+  to m_pad in {8, 16, 32, 64} rows, so D = W x^T is a 128 x m_pad tile of y^T in registers. TMA
+  zero-fills x rows >= M and every row or column past N and K, so ragged edges cost no code.
+- Stream-K. The (N / 128) x (K / 64) grid of 16 KiB weight blocks is cut into num_ctas equal
+  contiguous runs, one per SM, whatever the shape: no wave quantisation and no idle SMs on
+  4096x4096 (32 row tiles for 132 SMs). A run covers the tail of one row tile, whole tiles, and
+  the head of another.
+- Split-K fix-up without a second pass. A CTA that covered a whole row tile writes y directly. One
+  that covered part of a tile writes its fp32 partial to its own workspace slot and adds its block
+  count to the tile's arrival counter; the CTA that completes the count sums every partial of the
+  tile in CTA order (deterministic), adds the bias, writes y and resets the counter to zero, so the
+  next launch, and every CUDA-graph replay, starts from zeros. Nothing ever waits on another CTA.
+- Warp 4 only issues TMA loads (W through our descriptor via tma_desc_ptr=, x through the atom's own
+  descriptor) into a ring of as many stages as shared memory holds; warps 0-3 run wgmma, release each
+  stage, and do the fix-up and epilogue, so loads keep flowing while a tile is written out.
+
+Host path per call: validate (unsupported_reason) -> plan (cached per dtype, m_pad, bias) -> compiled
+kernel (cached, one per static configuration, TVM-FFI) -> launch on the current torch stream.
+"""
+
+import functools
+import math
+from typing import NamedTuple, Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from ..cute import tma_desc_ptr
+from ..spec import L2Promotion, Swizzle
+
+__all__ = [
+    "CROSSOVER_M",
+    "DEFAULT_L2_PROMOTION",
+    "linear_out",
+    "linear_ref",
+    "unsupported_reason",
+    "weight_box",
+    "weight_swizzle",
+]
+
+TILE_N = 128  # weight rows per tile: the wgmma M side, two m64 instructions
+TILE_K = 64  # K elements per pipeline stage: 128 bytes of a 2-byte dtype, the 128B swizzle span
+M_PADS = (8, 16, 32, 64)  # wgmma N sizes compiled; M is padded up to the next one
+MMA_THREADS = 128  # warps 0-3: one warpgroup for wgmma, fix-up and epilogue
+PRODUCER_WARP = 4  # warp 4 issues every TMA load
+THREADS = MMA_THREADS + 32
+# sm_90 allows 227 KiB of dynamic shared memory per block; 2 KiB stay for the mbarriers, the arrival
+# flag and the 1 KiB alignment of the two swizzled buffers.
+SMEM_BYTES = 227 * 1024
+SMEM_RESERVED = 2 * 1024
+MAX_ROW_TILES = 1 << 16  # arrival counters per workspace: N up to 8,388,608 rows
+FIXUP_BARRIER = 1  # named barrier of the 128 MMA threads (0 is __syncthreads)
+
+_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+
+# Weight descriptor L2 promotion. Start value; benchmarks/bench_linear.py sweeps NONE/64B/128B/256B per
+# shape class on the H200 and this follows the measurement.
+DEFAULT_L2_PROMOTION = L2Promotion.L2_128B
+
+# Largest M at which this kernel is used, per weight-size class: (upper bound of N*K*element bytes,
+# max M). NOT YET MEASURED: every class starts at 64, the largest tile; benchmarks/bench_linear.py
+# measures where cuBLAS overtakes and these entries are to be set from its CSV.
+CROSSOVER_M = (
+    (64 << 20, 64),
+    (256 << 20, 64),
+    (math.inf, 64),
+)
+
+
+def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Weight descriptor box in torch order (rows of N, columns of K), in elements.
+
+    One box is one pipeline stage of one row tile: 128 rows x 64 columns (128 bytes, the whole
+    128B-swizzle span) for both supported dtypes and every shape; N and K only have to be positive
+    (the box may overhang the tensor: TMA zero-fills the overhang).
+    """
+    if N < 1 or K < 1:
+        raise ValueError(f"weight_box: N={N} and K={K} must be positive")
+    if dtype not in _DTYPES:
+        raise TypeError(f"weight_box: dtype {dtype} is not supported (bfloat16, float16)")
+    return (TILE_N, TILE_K)
+
+
+def weight_swizzle(dtype: torch.dtype) -> Swizzle:
+    """Shared-memory swizzle of the weight descriptor: 128B, the layout wgmma reads K-major tiles in."""
+    if dtype not in _DTYPES:
+        raise TypeError(f"weight_swizzle: dtype {dtype} is not supported (bfloat16, float16)")
+    return Swizzle.B128
+
+
+def crossover_m(N: int, K: int, dtype: torch.dtype) -> int:
+    """Largest M this kernel takes for an N x K weight (see CROSSOVER_M)."""
+    weight_bytes = N * K * torch.finfo(dtype).bits // 8
+    return next(max_m for bound, max_m in CROSSOVER_M if weight_bytes < bound)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def unsupported_reason(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[str]:
+    """Why this kernel cannot compute F.linear(x2d, weight, bias), or None when it can.
+
+    x2d is [M, K], weight [N, K], bias [N] or None. The kernel needs: CUDA tensors on one sm_90 device,
+    one dtype (bf16 or fp16) for all, 1 <= M <= the crossover of the shape, K a multiple of 8 (TMA
+    strides are multiples of 16 bytes), x with unit column stride and a row stride of a multiple of
+    16 bytes, weight and bias contiguous, x and weight 16-byte aligned.
+    """
+    if not (x2d.is_cuda and weight.is_cuda and (bias is None or bias.is_cuda)):
+        return "tensors are not all on a CUDA device"
+    device = weight.device
+    if x2d.device != device or (bias is not None and bias.device != device):
+        return "x, weight and bias are on different devices"
+    if not _is_hopper(device.index):
+        major, minor = torch.cuda.get_device_capability(device.index)
+        return f"GPU is sm_{major}{minor}, not Hopper (sm_90)"
+    if x2d.dtype not in _DTYPES:
+        return f"dtype {x2d.dtype} is not bfloat16 or float16"
+    if weight.dtype != x2d.dtype or (bias is not None and bias.dtype != x2d.dtype):
+        return "x, weight and bias dtypes differ"
+    if x2d.dim() != 2 or weight.dim() != 2 or x2d.shape[1] != weight.shape[1]:
+        return f"shapes x {tuple(x2d.shape)} and weight {tuple(weight.shape)} are not [M, K] and [N, K]"
+    M, K = x2d.shape
+    N = weight.shape[0]
+    if M == 0 or N == 0:
+        return "empty x or weight"
+    if M > crossover_m(N, K, weight.dtype):
+        return f"M={M} is above the crossover M={crossover_m(N, K, weight.dtype)} for a {N}x{K} weight"
+    if K % 8:
+        return f"K={K} makes a row stride that is not a multiple of 16 bytes (K must be a multiple of 8)"
+    if weight.stride() != (K, 1):
+        return f"weight is not contiguous (strides {weight.stride()})"
+    if x2d.stride(1) != 1 or x2d.stride(0) % 8 or (M > 1 and x2d.stride(0) < K):
+        return f"x strides {x2d.stride()} are not (a multiple of 8 that is >= K, 1) elements"
+    if x2d.data_ptr() % 16 or weight.data_ptr() % 16:
+        return "x or weight data pointer is not 16-byte aligned"
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or bias.stride(0) != 1):
+        return f"bias shape {tuple(bias.shape)} / stride {bias.stride()} is not a contiguous [N={N}]"
+    if -(-N // TILE_N) > MAX_ROW_TILES:
+        return f"N={N} is above the kernel's {MAX_ROW_TILES * TILE_N} rows"
+    if _iteration_count(N, K) * _sm_count(device.index) >= 2**31:
+        return f"a {N}x{K} weight overflows the kernel's 32-bit block indices"
+    return None
+
+
+def _iteration_count(N: int, K: int) -> int:
+    """Weight blocks (128 rows x 64 columns) of an N x K weight: the stream-K iteration space."""
+    return -(-N // TILE_N) * -(-K // TILE_K)
+
+
+def m_pad(M: int) -> int:
+    """The wgmma N size (x rows, padded) that serves M rows."""
+    return next(p for p in M_PADS if p >= M)
+
+
+def pipeline_stages(m_pad_: int) -> int:
+    """Stages of the TMA ring that fit in shared memory; a stage is a 128 x 64 weight block and an
+    m_pad x 64 block of x, 2-byte elements."""
+    stage_bytes = (TILE_N + m_pad_) * TILE_K * 2
+    return (SMEM_BYTES - SMEM_RESERVED) // stage_bytes
+
+
+def weight_smem_layout(dtype: type[cutlass.Numeric], stages: int) -> cute.ComposedLayout:
+    """Shared-memory layout of `stages` weight blocks, TILE_N x TILE_K each, K-major with 128B swizzle.
+
+    Call inside a DSL trace. The wgmma A layout does not depend on the N side of the tile, so any
+    m_pad gives the same layout.
+    """
+    return sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_N, M_PADS[0], TILE_K), dtype, stages)
+
+
+class WeightStreamingLinear:
+    """The kernel for one static configuration: dtype, m_pad (wgmma N), bias or not, pipeline stages.
+
+    Tensors (element counts, torch order): x [M, K] row stride any multiple of 8; weight [N, K]
+    contiguous (only its shape and the TMA atom come from it: the bytes are loaded through the
+    descriptor at weight_map); bias [N] or None; out [M, N] unit column stride; partials fp32 with at
+    least num_ctas * 2 * m_pad * 128 elements; arrivals int32 [>= ceil(N / 128)], all zero on entry
+    and left all zero on exit.
+    """
+
+    def __init__(self, dtype: type[cutlass.Numeric], m_pad_: int, has_bias: bool, stages: int):
+        self.dtype = dtype
+        self.m_pad = m_pad_
+        self.has_bias = has_bias
+        self.stages = stages
+        self.tile_mnk = (TILE_N, m_pad_, TILE_K)
+        self.partial_elems = TILE_N * m_pad_  # fp32 values of one partial tile (m_pad per thread)
+
+    @cute.jit
+    def __call__(
+        self,
+        x: cute.Tensor,
+        weight: cute.Tensor,
+        bias: Optional[cute.Tensor],
+        out: cute.Tensor,
+        partials: cute.Tensor,
+        arrivals: cute.Tensor,
+        weight_map: Int64,
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (64, self.m_pad)
+        )
+        w_smem = weight_smem_layout(self.dtype, self.stages)
+        # ROW_MAJOR: x's K is contiguous, a K-major wgmma B operand
+        x_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile_mnk, self.dtype, self.stages)
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        w_atom, w_coords = cpasync.make_tiled_tma_atom(
+            load_op, weight, cute.slice_(w_smem, (None, None, 0)), (TILE_N, TILE_K)
+        )
+        x_atom, x_coords = cpasync.make_tiled_tma_atom(
+            load_op, x, cute.slice_(x_smem, (None, None, 0)), (self.m_pad, TILE_K)
+        )
+
+        @cute.struct
+        class SharedStorage:
+            stage_barriers: cute.struct.MemRange[Int64, self.stages * 2]
+            fixup_count: cute.struct.MemRange[Int32, 1]
+            w_tiles: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(w_smem)], 1024]
+            x_tiles: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(x_smem)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            w_atom, w_coords, x_atom, x_coords, bias, out, partials, arrivals, weight_map, tiled_mma, w_smem, x_smem
+        ).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        w_atom: cute.CopyAtom,
+        w_coords: cute.Tensor,
+        x_atom: cute.CopyAtom,
+        x_coords: cute.Tensor,
+        bias: Optional[cute.Tensor],
+        out: cute.Tensor,
+        partials: cute.Tensor,
+        arrivals: cute.Tensor,
+        weight_map: Int64,
+        tiled_mma: cute.TiledMma,
+        w_smem: cute.ComposedLayout,
+        x_smem: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        cta, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(w_smem, (None, None, 0))) + cute.size_in_bytes(
+            self.dtype, cute.slice_(x_smem, (None, None, 0))
+        )
+        loads = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.stage_barriers.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # consumer_release arrives once per MMA warp (lane 0)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_THREADS // 32),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        w_tiles = storage.w_tiles.get_tensor(w_smem.outer, swizzle=w_smem.inner)
+        x_tiles = storage.x_tiles.get_tensor(x_smem.outer, swizzle=x_smem.inner)
+
+        k_blocks = cute.ceil_div(w_coords.shape[1], TILE_K)
+        total = cute.ceil_div(w_coords.shape[0], TILE_N) * k_blocks
+        run_begin = cta * total // num_ctas
+        run_end = (cta + 1) * total // num_ctas
+
+        if warp_idx == PRODUCER_WARP:
+            self.load_run(
+                w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks
+            )
+        if warp_idx < PRODUCER_WARP:
+            self.mma_run(
+                tiled_mma, w_tiles, x_tiles, loads, bias, out, partials, arrivals,
+                storage.fixup_count.get_tensor(cute.make_layout(1)),
+                cta, num_ctas, tidx, run_begin, run_end, k_blocks, total,
+            )
+
+    @cute.jit
+    def load_run(
+        self, w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks
+    ):
+        """Warp 4: TMA-load weight block (tile, kb) and x block kb for every iteration of this CTA's run."""
+        weight_map_ptr = tma_desc_ptr(weight_map)  # outside the elected copy branches, with the acquire fence
+        w_dst = cute.group_modes(w_tiles, 0, 2)
+        x_dst = cute.group_modes(x_tiles, 0, 2)
+        # Block coordinates in elements, carried across iterations rather than derived from `it`:
+        # derived ones are computed inside cute.copy's elected branch, where ptxas moves them to
+        # uniform registers with a predicated R2UR, an illegal instruction on sm_90a.
+        tile = run_begin // k_blocks
+        row = tile * TILE_N
+        col = (run_begin - tile * k_blocks) * TILE_K
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for _ in cutlass.range(run_begin, run_end, unroll=1):
+            w_block = cute.local_tile(cute.domain_offset((row, col), w_coords), (TILE_N, TILE_K), (0, 0))
+            x_block = cute.local_tile(cute.domain_offset((0, col), x_coords), (self.m_pad, TILE_K), (0, 0))
+            w_smem_dst, w_src = cpasync.tma_partition(
+                w_atom, 0, cute.make_layout(1), w_dst, cute.group_modes(w_block, 0, 2)
+            )
+            x_smem_dst, x_src = cpasync.tma_partition(
+                x_atom, 0, cute.make_layout(1), x_dst, cute.group_modes(x_block, 0, 2)
+            )
+            loads.producer_acquire(state)  # waits for the slot, then expects stage_bytes on its barrier
+            barrier = loads.producer_get_barrier(state)
+            cute.copy(w_atom, w_src, w_smem_dst[(None, state.index)], tma_bar_ptr=barrier, tma_desc_ptr=weight_map_ptr)
+            cute.copy(x_atom, x_src, x_smem_dst[(None, state.index)], tma_bar_ptr=barrier)
+            state.advance()
+            col = col + TILE_K
+            if col == k_blocks * TILE_K:
+                col = 0
+                row = row + TILE_N
+        loads.producer_tail(state)
+
+    @cute.jit
+    def mma_run(
+        self, tiled_mma, w_tiles, x_tiles, loads, bias, out, partials, arrivals, fixup_count,
+        cta, num_ctas, tidx, run_begin, run_end, k_blocks, total,
+    ):
+        """Warps 0-3: accumulate each segment (the part of the run inside one row tile), then finish it."""
+        thr_mma = tiled_mma.get_slice(tidx)
+        w_frag = tiled_mma.make_fragment_A(thr_mma.partition_A(w_tiles))
+        x_frag = tiled_mma.make_fragment_B(thr_mma.partition_B(x_tiles))
+        # (row in tile, x row) of every accumulator element this thread holds
+        acc_coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_N, self.m_pad)))
+        acc = cute.make_rmem_tensor(acc_coords.shape, Float32)
+        tile_sum = cute.make_rmem_tensor(acc_coords.shape, Float32)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+
+        it = run_begin
+        while it < run_end:
+            tile = it // k_blocks
+            tile_begin = tile * k_blocks
+            seg_end = cutlass.min(run_end, tile_begin + k_blocks)
+            acc.fill(0.0)
+            for _ in cutlass.range(it, seg_end, unroll=1):
+                loads.consumer_wait(state)
+                warpgroup.fence()
+                for k_phase in cutlass.range_constexpr(cute.size(w_frag, mode=[2])):
+                    cute.gemm(
+                        tiled_mma, acc,
+                        w_frag[(None, None, k_phase, state.index)], x_frag[(None, None, k_phase, state.index)],
+                        acc,
+                    )
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)  # the stage is free only once wgmma has read it
+                loads.consumer_release(state)
+                state.advance()
+
+            if it == tile_begin and seg_end == tile_begin + k_blocks:
+                self.store_tile(acc, acc_coords, tile, bias, out)
+            else:
+                self.finish_partial(
+                    acc, tile_sum, acc_coords, tile, seg_end - it, it == run_begin, bias, out, partials,
+                    arrivals, fixup_count, cta, num_ctas, tidx, k_blocks, total,
+                )
+            it = seg_end
+
+    @cute.jit
+    def finish_partial(
+        self, acc, tile_sum, acc_coords, tile, blocks, is_first_segment, bias, out, partials, arrivals,
+        fixup_count, cta, num_ctas, tidx, k_blocks, total,
+    ):
+        """Publish this CTA's partial of a row tile; the CTA that completes the tile sums all and writes y.
+
+        Slot s of CTA c holds the partial of c's first segment (s = 0) or last segment (s = 1); only
+        those can cover part of a tile. Layout [cta][slot][value][thread]: a warp stores 128 contiguous
+        bytes at a time.
+        """
+        slot_elems = self.partial_elems
+        slot = Int32(1)
+        if is_first_segment:
+            slot = Int32(0)
+        base = (cta * 2 + slot) * slot_elems + tidx
+        for v in cutlass.range(cute.size(acc), unroll_full=True):
+            partials[base + v * MMA_THREADS] = acc[v]
+        # Release this thread's partial at GPU scope, then count the tile's blocks once for the CTA.
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=FIXUP_BARRIER, number_of_threads=MMA_THREADS)
+        if tidx == 0:
+            before = cute.arch.atomic_add(arrivals.iterator + tile, Int32(blocks), sem="acq_rel", scope="gpu")
+            fixup_count[0] = before + blocks
+        cute.arch.barrier(barrier_id=FIXUP_BARRIER, number_of_threads=MMA_THREADS)
+        if fixup_count[0] == k_blocks:
+            cute.arch.fence_acq_rel_gpu()  # acquire every other CTA's partial of this tile
+            tile_begin = tile * k_blocks
+            # CTAs whose runs hold the tile's first and last block: c owns iteration i iff
+            # c * total // num_ctas <= i < (c + 1) * total // num_ctas
+            first = (tile_begin + 1) * num_ctas // total
+            first = first - 1 + Int32((tile_begin + 1) * num_ctas % total != 0)
+            last = (tile_begin + k_blocks) * num_ctas // total
+            last = last - 1 + Int32((tile_begin + k_blocks) * num_ctas % total != 0)
+            # Sum in CTA order, a chunk of contributors at a time: all of a chunk's loads are issued before
+            # the first add, so the chunk costs one L2 round trip (a chunk holds 64 values per thread).
+            chunk = max(1, 64 // self.m_pad)
+            loaded = cute.make_rmem_tensor((chunk * self.m_pad,), Float32)
+            tile_sum.fill(0.0)
+            for c0 in cutlass.range(first, last + 1, chunk, unroll=1):
+                for j in cutlass.range_constexpr(chunk):
+                    c = cutlass.min(c0 + j, last)  # past `last`: a repeat load, not added below
+                    c_slot = Int32(1)
+                    if c * total // num_ctas >= tile_begin:  # the tile is where c's run starts
+                        c_slot = Int32(0)
+                    c_base = (c * 2 + c_slot) * slot_elems + tidx
+                    for v in cutlass.range(self.m_pad, unroll_full=True):
+                        loaded[j * self.m_pad + v] = partials[c_base + v * MMA_THREADS]
+                for j in cutlass.range_constexpr(chunk):
+                    if c0 + j <= last:
+                        for v in cutlass.range(self.m_pad, unroll_full=True):
+                            tile_sum[v] = tile_sum[v] + loaded[j * self.m_pad + v]
+            self.store_tile(tile_sum, acc_coords, tile, bias, out)
+            if tidx == 0:
+                arrivals[tile] = Int32(0)  # ready for the next launch or graph replay
+
+    @cute.jit
+    def store_tile(self, values, acc_coords, tile, bias, out):
+        """y[m, n] = values (+ bias[n]) for this thread's elements of row tile `tile` with m < M, n < N."""
+        M, N = out.shape
+        for v in cutlass.range(cute.size(values), unroll_full=True):
+            row, m = acc_coords[v]
+            n = tile * TILE_N + row
+            if n < N and m < M:
+                y = values[v]
+                if cutlass.const_expr(self.has_bias):
+                    y = y + bias[n].to(Float32)
+                out[m, n] = y.to(self.dtype)
+
+
+def _fake_problem(dtype: type[cutlass.Numeric], has_bias: bool):
+    """Fake tensors with symbolic sizes for compiling once per static configuration.
+
+    Shared symbols make TVM-FFI check at every call that the shapes agree: x [M, K], weight [N, K]
+    with row stride K (contiguous), bias [N], out [M, N]; row strides of x and out are free.
+    """
+    M, N, K = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=8)
+    x = cute.runtime.make_fake_tensor(dtype, (M, K), stride=(cute.sym_int64(divisibility=8), 1), assumed_align=16)
+    weight = cute.runtime.make_fake_tensor(dtype, (N, K), stride=(K, 1), assumed_align=16)
+    bias = cute.runtime.make_fake_tensor(dtype, (N,), stride=(1,)) if has_bias else None
+    out = cute.runtime.make_fake_tensor(dtype, (M, N), stride=(cute.sym_int64(), 1))
+    partials = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(),), stride=(1,), assumed_align=16)
+    arrivals = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    return x, weight, bias, out, partials, arrivals
+
+
+@functools.cache
+def compile_kernel(dtype: type[cutlass.Numeric], m_pad_: int, has_bias: bool, extra_options: str = ""):
+    """The kernel compiled for one static configuration (sm_90a, TVM-FFI), cached for the process.
+
+    Called as f(x, weight, bias, out, partials, arrivals, weight_map_address, num_ctas) with torch
+    tensors; it launches on the current torch stream. extra_options go to cute.compile (e.g.
+    "--keep-ptx --dump-dir=DIR" to inspect the code).
+    """
+    kernel = WeightStreamingLinear(dtype, m_pad_, has_bias, pipeline_stages(m_pad_))
+    return cute.compile(
+        kernel,
+        *_fake_problem(dtype, has_bias),
+        Int64(0),
+        Int32(1),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=f"--gpu-arch sm_90a --enable-tvm-ffi {extra_options}",
+    )
+
+
+class _Workspace(NamedTuple):
+    partials: torch.Tensor  # fp32 [sm_count * 2 * max(M_PADS) * TILE_N]: two partial tiles per CTA
+    arrivals: torch.Tensor  # int32 [MAX_ROW_TILES]: blocks counted per row tile, zero between launches
+
+
+_workspaces: dict[tuple[int, int], _Workspace] = {}
+
+
+def _workspace(device: torch.device) -> _Workspace:
+    """The split-K workspace of the current stream on `device` (9 MB on an H200), made on first use.
+
+    One per (device, stream): launches on one stream run in order and leave the counters at zero, so
+    they share it; launches on different streams must not. Never freed or regrown, so a CUDA graph
+    that captured it stays valid. Made during capture, it comes from the graph's pool and the graph
+    itself zeroes the counters on every replay.
+    """
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    ws = _workspaces.get(key)
+    if ws is None:
+        partials = torch.empty(_sm_count(device.index) * 2 * M_PADS[-1] * TILE_N, dtype=torch.float32, device=device)
+        arrivals = torch.zeros(MAX_ROW_TILES, dtype=torch.int32, device=device)
+        ws = _workspaces[key] = _Workspace(partials, arrivals)
+    return ws
+
+
+def linear_out(
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out: torch.Tensor,
+    weight_map_ptr: int,
+    *,
+    l2_promotion: L2Promotion,
+) -> None:
+    """out = x2d @ weight^T (+ bias), launched on the current torch stream.
+
+    x2d [M, K] (rows may be strided, unit column stride), weight [N, K] contiguous, bias [N] or None,
+    out [M, N] with unit column stride, all one dtype; unsupported_reason(x2d, weight, bias) must be
+    None. weight_map_ptr is the device address of weight's 128-byte descriptor, encoded for
+    box=weight_box(N, K, dtype), swizzle=weight_swizzle(dtype) and l2_promotion (the kernel reads
+    weight's bytes only through it; the promotion is recorded there, the kernel itself does not
+    depend on it).
+    """
+    if not isinstance(l2_promotion, L2Promotion):
+        raise TypeError(f"linear_out: l2_promotion must be a torch_tma.L2Promotion, got {l2_promotion!r}")
+    M, K = x2d.shape
+    N = weight.shape[0]
+    if tuple(out.shape) != (M, N) or out.dtype != x2d.dtype or out.stride(1) != 1:
+        raise ValueError(
+            f"linear_out: out must be [{M}, {N}] {x2d.dtype} with unit column stride, got "
+            f"{tuple(out.shape)} {out.dtype} strides {out.stride()}"
+        )
+    device = weight.device
+    if device.index != torch.cuda.current_device():  # the launch goes to the current device's context
+        with torch.cuda.device(device):
+            return linear_out(x2d, weight, bias, out, weight_map_ptr, l2_promotion=l2_promotion)
+    compiled = compile_kernel(_DTYPES[x2d.dtype], m_pad(M), bias is not None)
+    ws = _workspace(device)
+    num_ctas = min(_sm_count(device.index), _iteration_count(N, K))
+    compiled(x2d, weight, bias, out, ws.partials, ws.arrivals, weight_map_ptr, num_ctas)
+
+
+def linear_ref(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """float64 reference of x2d @ weight^T (+ bias), on x2d's device."""
+    y = x2d.double() @ weight.double().t()
+    return y if bias is None else y + bias.double()

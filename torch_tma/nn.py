@@ -1,0 +1,177 @@
+"""torch_tma.nn: a drop-in nn.Linear computed by torch.ops.tma.linear, and the functions that swap it in.
+
+    swap_linear_(model)      nn.Linear -> torch_tma.nn.Linear in place, reusing the Parameters
+    unswap_linear_(model)    back to nn.Linear
+    refresh(model)           rewrite every bound weight descriptor for the current weights, same slots
+
+On a CUDA device each layer binds its weight's descriptor in torch_tma.default_cache(device): a pinned slot
+whose address never changes while the layer stays on that device, which the op's cache lookup hits. A CUDA
+graph captured through the layer reads the descriptor from that slot, so after the weights move to new
+storage, refresh(model) rewrites the slots in place and the same graph reads the new weights.
+"""
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import ops
+from .spec import L2Promotion
+
+__all__ = ["Linear", "swap_linear_", "unswap_linear_", "unservable_reason", "refresh"]
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward is torch.ops.tma.linear; same Parameters, state_dict keys and arguments.
+
+    l2_promotion: torch_tma.L2Promotion for the weight descriptor; None takes the kernel's default.
+    Device and dtype moves, load_state_dict(assign=True) and `weight.data = ...` are picked up by the next
+    eager forward (or by torch_tma.refresh(model), which CUDA graphs need since a replay runs no Python).
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, l2_promotion=None):
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.l2_promotion = None if l2_promotion is None else int(L2Promotion(l2_promotion))
+        self._weight_map = None  # BoundTensorMap while the kernel serves the weight on its CUDA device
+        self._weight_key = None  # (device, dtype, shape, stride, address) of the weight last synced
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, l2_promotion=None) -> "Linear":
+        """A torch_tma Linear that shares linear's Parameters (no copy)."""
+        return _rebuild(cls, linear, l2_promotion=l2_promotion)
+
+    def to_linear(self) -> nn.Linear:
+        """A plain nn.Linear that shares this layer's Parameters (no copy)."""
+        return _rebuild(nn.Linear, self)
+
+    def __getstate__(self):
+        # A copy (deepcopy, pickle) binds its own descriptor on its first forward; a handle is not copyable.
+        return {**self.__dict__, "_weight_map": None, "_weight_key": None}
+
+    @property
+    def weight_map(self):
+        """The weight's bound descriptor (a BoundTensorMap: .map.ptr is its slot) or None while unbound."""
+        return self._weight_map
+
+    def extra_repr(self) -> str:
+        promotion = "kernel default" if self.l2_promotion is None else L2Promotion(self.l2_promotion).name
+        bound = "" if self._weight_map is None else f", weight_map=0x{self._weight_map.map.ptr:x}"
+        return f"{super().extra_repr()}, l2_promotion={promotion}{bound}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Binding is host bookkeeping that dynamo cannot trace; compiled code still finds the descriptor
+        # through the op's cache lookup, which hits the bound slot once an eager call or refresh() made it.
+        if not torch.compiler.is_compiling():
+            self.sync_weight_map()
+        return torch.ops.tma.linear(x, self.weight, self.bias, l2_promotion=self.l2_promotion)
+
+    def sync_weight_map(self) -> None:
+        """Make the bound descriptor encode the current weight: refresh in place after a move to new storage,
+        rebind after a device, dtype, shape or stride change, unbind where the kernel cannot serve the weight."""
+        w = self.weight
+        key = (w.device, w.dtype, w.shape, w.stride(), w.data_ptr())
+        if key == self._weight_key:
+            return
+        servable = w.is_cuda and ops.weight_unsupported_reason(w, self.bias) is None
+        if servable and self._weight_map is not None and key[:4] == self._weight_key[:4]:
+            self._weight_map.refresh()
+        else:
+            if self._weight_map is not None:
+                self._weight_map.close()  # the slot is reused only after kernels that read it have finished
+            self._weight_map = self._bind(w) if servable else None
+        self._weight_key = key
+
+    def _bind(self, weight: torch.Tensor):
+        # A weak reference: the cache must not keep the layer (and its weight) alive.
+        layer = weakref.ref(self)
+        return ops.bind_weight_map(lambda: layer().weight, weight, self.l2_promotion)
+
+
+def _rebuild(cls, linear: nn.Linear, **kwargs) -> nn.Linear:
+    # Built on the meta device so no weight is allocated or initialised, then handed the original Parameters.
+    with torch.device("meta"):
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, **kwargs)
+    new.weight = linear.weight
+    new.bias = linear.bias
+    new.train(linear.training)
+    return new
+
+
+def unservable_reason(linear: nn.Linear) -> str | None:
+    """Why the TMA kernel can never serve this layer where it is now, or None.
+
+    Checked without knowing the dtype it will run in: a bf16/fp16 weight row of in_features elements must be a
+    multiple of 16 bytes. A layer already on a CUDA device gets the op's full check for a one-row input.
+    """
+    if type(linear) is not nn.Linear:
+        return f"{type(linear).__name__} subclasses nn.Linear; its forward may differ"
+    if linear.in_features * 2 % 16:
+        return f"in_features={linear.in_features}: a 16-bit weight row is not a multiple of 16 bytes (TMA)"
+    if linear.weight.is_cuda:
+        return ops.weight_unsupported_reason(linear.weight, linear.bias)
+    return None
+
+
+def _replace(module: nn.Module, fqn: str, replacement: Callable[[nn.Module, str], nn.Module], done: dict) -> nn.Module:
+    """Depth-first: each module is offered to replacement(module, fqn) once; a shared module stays shared."""
+    if id(module) in done:
+        return done[id(module)]
+    new = replacement(module, fqn)
+    if new is module:
+        # _modules, not named_children(): that yields a shared child once, leaving its other parents unswapped.
+        for name, child in list(module._modules.items()):
+            if child is None:
+                continue
+            new_child = _replace(child, f"{fqn}.{name}" if fqn else name, replacement, done)
+            if new_child is not child:
+                setattr(module, name, new_child)
+    done[id(module)] = new
+    return new
+
+
+def swap_linear_(
+    model: nn.Module,
+    filter_fn: Callable[[nn.Linear, str], bool] | None = None,
+    *,
+    l2_promotion=None,
+    report: list | None = None,
+) -> nn.Module:
+    """Replace nn.Linear layers of model by torch_tma.nn.Linear in place, sharing their Parameters.
+
+    filter_fn(module, fqn) -> bool picks the layers among the plain nn.Linear modules; without it a layer is
+    swapped when unservable_reason(module) is None. report, if given, is a list that receives (fqn, reason) for
+    every nn.Linear (or subclass) left as it is. Returns model, or the new root when model is itself a Linear.
+    """
+
+    def swap(module, fqn):
+        if not isinstance(module, nn.Linear) or isinstance(module, Linear):
+            return module
+        if filter_fn is None or type(module) is not nn.Linear:
+            reason = unservable_reason(module)
+        else:
+            reason = None if filter_fn(module, fqn) else "filter_fn returned False"
+        if reason is None:
+            return Linear.from_linear(module, l2_promotion=l2_promotion)
+        if report is not None:
+            report.append((fqn, reason))
+        return module
+
+    return _replace(model, "", swap, {})
+
+
+def unswap_linear_(model: nn.Module) -> nn.Module:
+    """Replace every torch_tma.nn.Linear of model by an nn.Linear sharing its Parameters; returns the root."""
+    return _replace(model, "", lambda m, fqn: m.to_linear() if isinstance(m, Linear) else m, {})
+
+
+def refresh(model: nn.Module) -> None:
+    """Re-encode the weight descriptor of every torch_tma.nn.Linear in model for its current weight.
+
+    A layer whose weight moved to new storage on the same device keeps its slot: CUDA graphs captured before
+    read the new weight on their next replay. A bias, and any parameter outside these descriptors, is baked
+    into a graph by address: update those in place (copy_) instead. Not allowed during graph capture.
+    """
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.sync_weight_map()
