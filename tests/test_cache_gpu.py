@@ -229,3 +229,9 @@ def test_eight_threads_get_refresh_evict_for_ten_seconds():
     s = cache.stats()
     assert s["bytes_reserved"] <= 128 * 16 and s["evictions"] > 0
     assert s["hits"] + s["misses"] >= ops_done[0] * 0.8
+
+
+def test_tensor_on_another_device_than_the_cache():
+    cpu_cache = torch_tma.TensorMapCache("cpu")
+    with pytest.raises(ValueError, match=r"tensor is on cuda:0 but this cache holds descriptors for cpu"):
+        cpu_cache.get(torch.randn(64, 64, device=DEV, dtype=torch.float16), (64, 64))
