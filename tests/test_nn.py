@@ -53,7 +53,7 @@ def cuda_test(fn):
 
 
 def _test_from_linear_shares_parameters(device):
-    linear, m = new_linear(device)
+    linear, m = new_linear(device, torch.bfloat16 if device == "cuda" else torch.float32)
     assert m.weight is linear.weight and m.bias is linear.bias
     assert list(m.state_dict()) == list(linear.state_dict()) == ["weight", "bias"]
     assert "l2_promotion=kernel default" in repr(m)

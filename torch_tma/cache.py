@@ -340,7 +340,7 @@ class TensorMapCache:
     def _grow(self) -> None:
         # CUDA's caching allocator hands out 512-byte aligned blocks; the CPU allocator (tests) only 64, so the
         # chunk carries one spare slot and starts at the first 128-byte boundary.
-        chunk = torch.empty(self.chunk_bytes + SLOT_BYTES, dtype=torch.uint8, device=self.device)
+        chunk = long_lived_empty(self.chunk_bytes + SLOT_BYTES, torch.uint8, self.device)
         skip = -chunk.data_ptr() % SLOT_BYTES
         self._chunks.append(chunk)
         base = chunk.data_ptr() + skip
@@ -385,6 +385,28 @@ class TensorMapCache:
         s = self.stats()
         return (f"TensorMapCache({self.device}, {s['slots_in_use']} slots, {s['bytes_reserved']} of "
                 f"{self.capacity_bytes} B reserved, {s['hits']} hits / {s['misses']} misses)")
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def long_lived_empty(shape, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
+    """A device buffer that lives as long as its owner (arena chunks, kernel workspaces), from the default
+    memory pool even while the current stream's allocations are routed to a CUDA-graph pool (torch.compile's
+    cudagraph trees do that during warm-up, then refuse untracked tensors in their pool): allocated on a side
+    stream, which the current stream then waits for. During a real capture it is allocated as usual."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+    side = _side_streams.get(device)
+    if side is None:
+        side = _side_streams.setdefault(device, torch.cuda.Stream(device))
+    current = torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        buf = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+    current.wait_stream(side)
+    return buf
 
 
 def _as_source(source) -> tuple:

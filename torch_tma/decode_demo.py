@@ -93,7 +93,7 @@ class Attention(nn.Module):
         # A kv head's query heads become rows of one attention problem: no copy of the cache per query head.
         q = q.reshape(B, self.num_kv_heads, groups * T, self.head_dim)
         o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask.repeat(groups, 1))
-        return self.o_proj(o.view(B, self.num_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(o.reshape(B, self.num_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):

@@ -41,6 +41,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from ..cache import long_lived_empty
 from ..cute import tma_desc_ptr
 from ..spec import L2Promotion, Swizzle
 
@@ -505,8 +506,8 @@ def _workspace(device: torch.device) -> _Workspace:
     key = (device.index, torch.cuda.current_stream(device).cuda_stream)
     ws = _workspaces.get(key)
     if ws is None:
-        partials = torch.empty(_sm_count(device.index) * 2 * M_PADS[-1] * TILE_N, dtype=torch.float32, device=device)
-        arrivals = torch.zeros(MAX_ROW_TILES, dtype=torch.int32, device=device)
+        partials = long_lived_empty(_sm_count(device.index) * 2 * M_PADS[-1] * TILE_N, torch.float32, device)
+        arrivals = long_lived_empty(MAX_ROW_TILES, torch.int32, device, zero=True)
         ws = _workspaces[key] = _Workspace(partials, arrivals)
     return ws
 
