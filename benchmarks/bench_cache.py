@@ -28,13 +28,17 @@ def test_get_hit(benchmark, weight):
     assert result is tm
 
 
-def test_bound_ptr(benchmark, weight):
+@pytest.mark.parametrize("source", ["module_attr", "tensor", "callable"])
+def test_bound_ptr(benchmark, weight, source):
+    """The bound handle's validity check plus pointer, for each kind of source (module attribute: what
+    torch_tma.nn.Linear binds)."""
     cache = torch_tma.TensorMapCache(DEV)
     module = torch.nn.Module()
     module.weight = torch.nn.Parameter(weight, requires_grad=False)
-    handle = cache.bind(lambda: module.weight, BOX, swizzle=Swizzle.B128)
+    src = {"module_attr": (module, "weight"), "tensor": module.weight, "callable": lambda: module.weight}[source]
+    handle = cache.bind(src, BOX, swizzle=Swizzle.B128)
     ptr = handle.ptr
-    assert benchmark(lambda: handle.ptr) == ptr
+    assert benchmark(getattr, handle, "ptr") == ptr
 
 
 def test_baseline_python_dict(benchmark, weight):

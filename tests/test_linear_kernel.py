@@ -43,8 +43,21 @@ RAGGED_SHAPES = [(1000, 1000), (129, 72), (1, 8), (8191, 4104), (300, 200)]
 GPU_TIMEOUT_S = 300
 
 
-def _ptx_and_cubin(dtype, m_pad, has_bias, tmp_path):
-    linear.compile_kernel(DSL_DTYPES[dtype], m_pad, has_bias, f"--keep-ptx --keep-cubin --dump-dir={tmp_path}")
+# Non-default KernelOptions (benchmarks/sweep_linear.py times them on the H200)
+OPTION_VARIANTS = [
+    linear.KernelOptions(fence_scope="gpu"),
+    linear.KernelOptions(fence_scope="gpu", pdl=True),
+    linear.KernelOptions(fence_scope="gpu", pdl=True, weight_before_wait=True),
+    linear.KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, ctas_per_sm=2),
+    linear.KernelOptions(fence_scope="gpu", ctas_per_sm=2),
+]
+OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}" for o in OPTION_VARIANTS]
+
+
+def _ptx_and_cubin(dtype, m_pad, has_bias, tmp_path, options=linear.DEFAULT_OPTIONS):
+    linear.compile_kernel(
+        DSL_DTYPES[dtype], m_pad, has_bias, f"--keep-ptx --keep-cubin --dump-dir={tmp_path}", options
+    )
     (ptx,) = glob.glob(str(tmp_path / "*.ptx"))
     (cubin,) = glob.glob(str(tmp_path / "*.cubin"))
     with open(ptx) as f:
@@ -96,6 +109,49 @@ def test_no_predicated_r2ur(m_pad, tmp_path):
     assert sass.count("UTMALDG") == 2, "expected the weight and the x TMA load"
     predicated = re.findall(r"@!?P\d\s+R2UR\b.*", sass)
     assert not predicated, predicated
+
+
+@pytest.mark.parametrize("options", OPTION_VARIANTS, ids=OPTION_IDS)
+def test_kernel_options_compile(options, tmp_path):
+    """Each option reaches the code: the fence scope, griddepcontrol (one trigger; waits only with pdl),
+    weight loads through the fenced descriptor (twice as many load sites with weight_before_wait), and no
+    predicated R2UR in the extra load loop."""
+    ptx, cubin = _ptx_and_cubin(torch.bfloat16, 16, True, tmp_path, options)
+    (fenced,) = re.findall(rf"fence\.proxy\.tensormap::generic\.acquire\.{options.fence_scope} \[(%rd\d+)\], 128;", ptx)
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\S* \[[^\]]+\], \[(%rd\d+), \{", ptx)
+    sites = 4 if options.weight_before_wait else 2
+    assert len(loads) == sites and loads.count(fenced) == sites // 2, (fenced, loads)
+    assert ptx.count("griddepcontrol.launch_dependents;") == int(options.pdl)
+    assert (ptx.count("griddepcontrol.wait;") > 0) == options.pdl
+    nvdisasm = _nvdisasm()
+    if nvdisasm is not None:
+        sass = subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True, text=True).stdout
+        predicated = re.findall(r"@!?P\d\s+R2UR\b.*", sass)
+        assert not predicated, predicated
+
+
+@pytest.mark.parametrize("m_pad", linear.M_PADS)
+@pytest.mark.parametrize("ctas_per_sm", [1, 2])
+def test_pipeline_fits_shared_memory(m_pad, ctas_per_sm):
+    """ctas_per_sm rings, their reserve and the driver's per-CTA KiB fit in one SM; one more stage would not."""
+    stages = linear.pipeline_stages(m_pad, ctas_per_sm)
+    stage_bytes = (linear.TILE_N + m_pad) * linear.TILE_K * 2
+    per_cta = stages * stage_bytes + linear.SMEM_RESERVED
+    assert stages >= 2 and per_cta <= linear.SMEM_BYTES
+    assert ctas_per_sm * (per_cta + linear.SMEM_PER_CTA_SYSTEM) <= linear.SMEM_PER_SM
+    budget = min(linear.SMEM_BYTES, linear.SMEM_PER_SM // ctas_per_sm - linear.SMEM_PER_CTA_SYSTEM)
+    assert per_cta + stage_bytes > budget
+
+
+def test_kernel_options_check():
+    with pytest.raises(ValueError, match="fence_scope"):
+        linear.KernelOptions(fence_scope="cta").check()
+    with pytest.raises(ValueError, match="weight_before_wait"):
+        linear.KernelOptions(weight_before_wait=True).check()
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        linear.KernelOptions(ctas_per_sm=3).check()
+    with pytest.raises(ValueError, match="scope"):
+        tma_cute.tma_desc_ptr(0, scope="cta")
 
 
 # ---- CPU: the descriptor contract with the op --------------------------------------------------------
@@ -279,3 +335,55 @@ def test_unsupported_reasons():
     for expected, args in cases.items():
         reason = linear.unsupported_reason(*args)
         assert reason is not None and expected in reason, (expected, reason)
+
+
+def _launch_chain(options, problems, outs, partials, arrivals):
+    """Launch every (x, weight, bias, weight_map) of problems back to back with one compiled option set,
+    sharing one workspace: with pdl each launch overlaps the previous one's tail."""
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    for (x, weight, b, weight_map), out in zip(problems, outs):
+        compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(x.shape[0]), b is not None, "", options)
+        num_ctas = linear.grid_size(weight.shape[0], weight.shape[1], sm_count, options)
+        compiled(x, weight, b, out, partials, arrivals, weight_map.ptr, num_ctas)
+
+
+@on_gpu
+@pytest.mark.parametrize("options", OPTION_VARIANTS, ids=OPTION_IDS)
+def test_kernel_options_chained_eager_and_graph(options):
+    """Each option set on back-to-back launches of different shapes and M (ragged ones included), eager and
+    replayed from a CUDA graph (where pdl becomes programmatic edges) with fresh x each replay: every output
+    matches the reference and the shared arrival counters are zero after each chain."""
+    dtype = torch.bfloat16
+    cases = [(1, 4096, 4096, False), (16, 6144, 4096, True), (64, 1000, 1000, True), (5, 10240, 8192, False),
+             (33, 129, 72, False), (1, 4096, 4096, True)]
+    problems = []
+    for m, n, k, bias in cases:
+        x, weight, b = _random(m, n, k, dtype, bias)
+        problems.append((x, weight, b, _weight_map(weight)))
+    outs = [torch.empty(x.shape[0], w.shape[0], dtype=dtype, device="cuda") for x, w, _, _ in problems]
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    partials = torch.empty(sm_count * options.ctas_per_sm * 2 * linear.M_PADS[-1] * linear.TILE_N,
+                           dtype=torch.float32, device="cuda")
+    arrivals = torch.zeros(linear.MAX_ROW_TILES, dtype=torch.int32, device="cuda")
+
+    def check_all(label):
+        torch.cuda.synchronize()
+        for (x, weight, b, _), out, (m, n, k, _) in zip(problems, outs, cases):
+            _check(out, x, weight, b, f"{label} {n}x{k} M={m}")
+        assert int(arrivals.abs().sum()) == 0, f"{label}: arrival counters not reset"
+
+    for out in outs:
+        out.fill_(math.nan)
+    _launch_chain(options, problems, outs, partials, arrivals)
+    check_all("eager")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        _launch_chain(options, problems, outs, partials, arrivals)
+    for replay in range(3):
+        for (x, _, _, _), out in zip(problems, outs):
+            x.copy_(torch.randn_like(x))
+            out.fill_(math.nan)
+        graph.replay()
+        check_all(f"replay {replay}")

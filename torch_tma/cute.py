@@ -77,6 +77,8 @@ __all__ = ["SUPPORTED_DSL", "tma_desc_ptr", "AtomPlan", "plan_atom", "atom_tenso
 
 # The TMA unit requires descriptor addresses aligned to 64 bytes; torch_tma's slots are at least that.
 DESCRIPTOR_ALIGN = 64
+# Scopes of the descriptor acquire fence in tma_desc_ptr: .sys (host-written slots, the guide's rule) or .gpu.
+_FENCE_SCOPES = ("sys", "gpu")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -84,7 +86,7 @@ DESCRIPTOR_ALIGN = 64
 
 
 @dsl_user_op
-def tma_desc_ptr(address, *, loc=None, ip=None) -> cute.Pointer:
+def tma_desc_ptr(address, *, scope: str = "sys", loc=None, ip=None) -> cute.Pointer:
     """The TMA-descriptor pointer for the torch_tma slot at ``address``, acquired for this thread.
 
     Use inside ``@cute.kernel`` code: ``address`` is the slot's device address (``TensorMap.ptr``) passed
@@ -96,17 +98,23 @@ def tma_desc_ptr(address, *, loc=None, ip=None) -> cute.Pointer:
     TMA copies read the slot's current bytes, not a copy the tensormap proxy cached before the host
     re-encoded the slot (a refresh). Scope ``.sys`` because the host writes the slot (the CUDA
     programming guide's rule for tensor maps modified by the host); docs/cute.md has the reasoning.
+    ``scope="gpu"`` issues the ``.gpu`` fence instead: torch_tma writes slots with stream-ordered
+    copies that complete before the kernel starts, so the narrower scope is expected to suffice; a
+    kernel opts in per compiled configuration once measured (shared/reference/h200-baseline.md
+    found the ``.gpu`` fence free).
 
     Call it once at kernel top level, by all threads, before any elected or predicated branch: the
     pointer computed inside such a branch can compile to an illegal predicated ``R2UR`` on sm_90a
     (NVIDIA/cutlass Hopper grouped GEMM example), and ``cute.copy`` already elects the issuing thread.
     """
+    if scope not in _FENCE_SCOPES:
+        raise ValueError(f"tma_desc_ptr: scope must be one of {_FENCE_SCOPES}, got {scope!r}")
     address = Int64(address).ir_value(loc=loc, ip=ip)
     aligned = _cute_ir.assume(_cute_ir.ConstrainedIntType.get(DESCRIPTOR_ALIGN, 64), address, loc=loc, ip=ip)
     pointer_type = _cute_ir.PtrType.get(_cute_nvgpu_ir.TmaDescriptorTiledType.get(), cute.AddressSpace.generic,
                                         DESCRIPTOR_ALIGN)
     pointer = _cute_ir.inttoptr(pointer_type, aligned, loc=loc, ip=ip)
-    llvm.inline_asm(None, [address], "fence.proxy.tensormap::generic.acquire.sys [$0], 128;", "l,~{memory}",
+    llvm.inline_asm(None, [address], f"fence.proxy.tensormap::generic.acquire.{scope} [$0], 128;", "l,~{memory}",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
                     loc=loc, ip=ip)
     return pointer

@@ -65,6 +65,9 @@ THREADS = MMA_THREADS + 32
 # flag and the 1 KiB alignment of the two swizzled buffers.
 SMEM_BYTES = 227 * 1024
 SMEM_RESERVED = 2 * 1024
+# Shared memory of one SM, split between co-resident CTAs; the driver keeps 1 KiB of it per CTA.
+SMEM_PER_SM = 228 * 1024
+SMEM_PER_CTA_SYSTEM = 1024
 MAX_ROW_TILES = 1 << 16  # arrival counters per workspace: N up to 8,388,608 rows
 FIXUP_BARRIER = 1  # named barrier of the 128 MMA threads (0 is __syncthreads)
 
@@ -82,6 +85,42 @@ CROSSOVER_M = (
     (256 << 20, 64),
     (math.inf, 64),
 )
+
+
+class KernelOptions(NamedTuple):
+    """Static launch and synchronisation choices of the kernel; part of the compile cache key.
+
+    fence_scope: scope of the descriptor acquire fence, "sys" (the guide's rule for host-written tensor
+        maps) or "gpu" (torch_tma writes slots with stream-ordered copies that finish before the launch).
+    pdl: programmatic dependent launch. The kernel is launched with programmatic stream serialisation,
+        every CTA triggers its dependents as it starts (the grid is one wave, so a dependent CTA only
+        takes an SM this grid has left), and nothing reads x or writes out, partials or arrivals before
+        griddepcontrol.wait, so barrier init, the descriptor fence and (below) weight loads overlap the
+        previous kernel's tail.
+    weight_before_wait: with pdl, the TMA warp fills the ring with weight blocks before
+        griddepcontrol.wait and adds the x blocks after it. Valid only when the kernel just before this
+        one in the stream does not write the weight (decode: weights are constant).
+    ctas_per_sm: co-resident CTAs per SM; each gets 1/ctas_per_sm of the shared memory, hence fewer
+        stages. The grid is grid_size(...) CTAs and the workspace must hold 2 partial tiles per CTA.
+    """
+
+    fence_scope: str = "sys"
+    pdl: bool = False
+    weight_before_wait: bool = False
+    ctas_per_sm: int = 1
+
+    def check(self) -> None:
+        if self.fence_scope not in ("sys", "gpu"):
+            raise ValueError(f"KernelOptions.fence_scope must be 'sys' or 'gpu', got {self.fence_scope!r}")
+        if self.weight_before_wait and not self.pdl:
+            raise ValueError("KernelOptions.weight_before_wait needs pdl=True (there is no wait to load before)")
+        if self.ctas_per_sm not in (1, 2):
+            raise ValueError(f"KernelOptions.ctas_per_sm must be 1 or 2, got {self.ctas_per_sm!r}")
+
+
+# PROVISIONAL: the behaviour the kernel shipped with (measured correct on the H200). To be set from
+# benchmarks/sweep_linear.py on the H200; linear_out compiles with these.
+DEFAULT_OPTIONS = KernelOptions()
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -128,42 +167,62 @@ def unsupported_reason(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     one dtype (bf16 or fp16) for all, 1 <= M <= the crossover of the shape, K a multiple of 8 (TMA
     strides are multiples of 16 bytes), x with unit column stride and a row stride of a multiple of
     16 bytes, weight and bias contiguous, x and weight 16-byte aligned.
+
+    Runs on every call of the op: what depends only on (device, dtype, N, K) is cached (_shape_support),
+    the rest reads each tensor attribute once (each read costs 0.1-0.5 us of host time).
     """
     if not (x2d.is_cuda and weight.is_cuda and (bias is None or bias.is_cuda)):
         return "tensors are not all on a CUDA device"
-    device = weight.device
-    if x2d.device != device or (bias is not None and bias.device != device):
+    device_index = weight.get_device()
+    if x2d.get_device() != device_index or (bias is not None and bias.get_device() != device_index):
         return "x, weight and bias are on different devices"
-    if not _is_hopper(device.index):
-        major, minor = torch.cuda.get_device_capability(device.index)
-        return f"GPU is sm_{major}{minor}, not Hopper (sm_90)"
-    if x2d.dtype not in _DTYPES:
-        return f"dtype {x2d.dtype} is not bfloat16 or float16"
-    if weight.dtype != x2d.dtype or (bias is not None and bias.dtype != x2d.dtype):
+    dtype = x2d.dtype
+    if weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
         return "x, weight and bias dtypes differ"
-    if x2d.dim() != 2 or weight.dim() != 2 or x2d.shape[1] != weight.shape[1]:
-        return f"shapes x {tuple(x2d.shape)} and weight {tuple(weight.shape)} are not [M, K] and [N, K]"
-    M, K = x2d.shape
-    N = weight.shape[0]
-    if M == 0 or N == 0:
+    x_shape, w_shape = x2d.shape, weight.shape
+    if len(x_shape) != 2 or len(w_shape) != 2 or x_shape[1] != w_shape[1]:
+        return f"shapes x {tuple(x_shape)} and weight {tuple(w_shape)} are not [M, K] and [N, K]"
+    M, K = x_shape
+    N = w_shape[0]
+    reason, max_m = _shape_support(device_index, dtype, N, K)
+    if reason is not None:
+        return reason
+    if M == 0:
         return "empty x or weight"
-    if M > crossover_m(N, K, weight.dtype):
-        return f"M={M} is above the crossover M={crossover_m(N, K, weight.dtype)} for a {N}x{K} weight"
-    if K % 8:
-        return f"K={K} makes a row stride that is not a multiple of 16 bytes (K must be a multiple of 8)"
+    if M > max_m:
+        return f"M={M} is above the crossover M={max_m} for a {N}x{K} weight"
     if weight.stride() != (K, 1):
         return f"weight is not contiguous (strides {weight.stride()})"
-    if x2d.stride(1) != 1 or x2d.stride(0) % 8 or (M > 1 and x2d.stride(0) < K):
-        return f"x strides {x2d.stride()} are not (a multiple of 8 that is >= K, 1) elements"
+    x_stride = x2d.stride()
+    if x_stride[1] != 1 or x_stride[0] % 8 or (M > 1 and x_stride[0] < K):
+        return f"x strides {x_stride} are not (a multiple of 8 that is >= K, 1) elements"
     if x2d.data_ptr() % 16 or weight.data_ptr() % 16:
         return "x or weight data pointer is not 16-byte aligned"
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or bias.stride(0) != 1):
+    if bias is not None and (bias.shape != w_shape[:1] or bias.stride() != (1,)):
         return f"bias shape {tuple(bias.shape)} / stride {bias.stride()} is not a contiguous [N={N}]"
-    if -(-N // TILE_N) > MAX_ROW_TILES:
-        return f"N={N} is above the kernel's {MAX_ROW_TILES * TILE_N} rows"
-    if _iteration_count(N, K) * _sm_count(device.index) >= 2**31:
-        return f"a {N}x{K} weight overflows the kernel's 32-bit block indices"
     return None
+
+
+@functools.cache
+def _shape_support(device_index: int, dtype: torch.dtype, N: int, K: int) -> tuple[Optional[str], int]:
+    """(why the kernel cannot take an N x K weight of dtype on this CUDA device, or None; the largest M it takes).
+
+    The part of unsupported_reason that depends on no tensor but the shape: checked once per shape.
+    """
+    if not _is_hopper(device_index):
+        major, minor = torch.cuda.get_device_capability(device_index)
+        return f"GPU is sm_{major}{minor}, not Hopper (sm_90)", 0
+    if dtype not in _DTYPES:
+        return f"dtype {dtype} is not bfloat16 or float16", 0
+    if N == 0 or K == 0:
+        return "empty x or weight", 0
+    if K % 8:
+        return f"K={K} makes a row stride that is not a multiple of 16 bytes (K must be a multiple of 8)", 0
+    if -(-N // TILE_N) > MAX_ROW_TILES:
+        return f"N={N} is above the kernel's {MAX_ROW_TILES * TILE_N} rows", 0
+    if _iteration_count(N, K) * _sm_count(device_index) >= 2**31:
+        return f"a {N}x{K} weight overflows the kernel's 32-bit block indices", 0
+    return None, crossover_m(N, K, dtype)
 
 
 def _iteration_count(N: int, K: int) -> int:
@@ -176,11 +235,17 @@ def m_pad(M: int) -> int:
     return next(p for p in M_PADS if p >= M)
 
 
-def pipeline_stages(m_pad_: int) -> int:
-    """Stages of the TMA ring that fit in shared memory; a stage is a 128 x 64 weight block and an
-    m_pad x 64 block of x, 2-byte elements."""
+def pipeline_stages(m_pad_: int, ctas_per_sm: int = 1) -> int:
+    """Stages of the TMA ring that fit in one CTA's share of shared memory; a stage is a 128 x 64
+    weight block and an m_pad x 64 block of x, 2-byte elements."""
     stage_bytes = (TILE_N + m_pad_) * TILE_K * 2
-    return (SMEM_BYTES - SMEM_RESERVED) // stage_bytes
+    cta_bytes = min(SMEM_BYTES, SMEM_PER_SM // ctas_per_sm - SMEM_PER_CTA_SYSTEM)
+    return (cta_bytes - SMEM_RESERVED) // stage_bytes
+
+
+def grid_size(N: int, K: int, sm_count: int, options: "KernelOptions") -> int:
+    """CTAs of one launch: ctas_per_sm per SM (one wave), never more than there are weight blocks."""
+    return min(sm_count * options.ctas_per_sm, _iteration_count(N, K))
 
 
 def weight_smem_layout(dtype: type[cutlass.Numeric], stages: int) -> cute.ComposedLayout:
@@ -193,7 +258,8 @@ def weight_smem_layout(dtype: type[cutlass.Numeric], stages: int) -> cute.Compos
 
 
 class WeightStreamingLinear:
-    """The kernel for one static configuration: dtype, m_pad (wgmma N), bias or not, pipeline stages.
+    """The kernel for one static configuration: dtype, m_pad (wgmma N), bias or not, pipeline stages,
+    KernelOptions.
 
     Tensors (element counts, torch order): x [M, K] row stride any multiple of 8; weight [N, K]
     contiguous (only its shape and the TMA atom come from it: the bytes are loaded through the
@@ -202,11 +268,15 @@ class WeightStreamingLinear:
     and left all zero on exit.
     """
 
-    def __init__(self, dtype: type[cutlass.Numeric], m_pad_: int, has_bias: bool, stages: int):
+    def __init__(
+        self, dtype: type[cutlass.Numeric], m_pad_: int, has_bias: bool, stages: int, options: KernelOptions
+    ):
+        options.check()
         self.dtype = dtype
         self.m_pad = m_pad_
         self.has_bias = has_bias
         self.stages = stages
+        self.options = options
         self.tile_mnk = (TILE_N, m_pad_, TILE_K)
         self.partial_elems = TILE_N * m_pad_  # fp32 values of one partial tile (m_pad per thread)
 
@@ -247,7 +317,7 @@ class WeightStreamingLinear:
         self.shared_storage = SharedStorage
         self.kernel(
             w_atom, w_coords, x_atom, x_coords, bias, out, partials, arrivals, weight_map, tiled_mma, w_smem, x_smem
-        ).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        ).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.options.pdl)
 
     @cute.kernel
     def kernel(
@@ -270,6 +340,8 @@ class WeightStreamingLinear:
         cta, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
 
+        if cutlass.const_expr(self.options.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(w_smem, (None, None, 0))) + cute.size_in_bytes(
             self.dtype, cute.slice_(x_smem, (None, None, 0))
@@ -296,6 +368,8 @@ class WeightStreamingLinear:
                 w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks
             )
         if warp_idx < PRODUCER_WARP:
+            if cutlass.const_expr(self.options.pdl):
+                cute.arch.griddepcontrol_wait()  # out, partials and arrivals may still be in the previous grid's use
             self.mma_run(
                 tiled_mma, w_tiles, x_tiles, loads, bias, out, partials, arrivals,
                 storage.fixup_count.get_tensor(cute.make_layout(1)),
@@ -307,7 +381,8 @@ class WeightStreamingLinear:
         self, w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks
     ):
         """Warp 4: TMA-load weight block (tile, kb) and x block kb for every iteration of this CTA's run."""
-        weight_map_ptr = tma_desc_ptr(weight_map)  # outside the elected copy branches, with the acquire fence
+        # outside the elected copy branches, with the acquire fence
+        weight_map_ptr = tma_desc_ptr(weight_map, scope=self.options.fence_scope)
         w_dst = cute.group_modes(w_tiles, 0, 2)
         x_dst = cute.group_modes(x_tiles, 0, 2)
         # Block coordinates in elements, carried across iterations rather than derived from `it`:
@@ -317,15 +392,39 @@ class WeightStreamingLinear:
         row = tile * TILE_N
         col = (run_begin - tile * k_blocks) * TILE_K
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for _ in cutlass.range(run_begin, run_end, unroll=1):
-            w_block = cute.local_tile(cute.domain_offset((row, col), w_coords), (TILE_N, TILE_K), (0, 0))
-            x_block = cute.local_tile(cute.domain_offset((0, col), x_coords), (self.m_pad, TILE_K), (0, 0))
-            w_smem_dst, w_src = cpasync.tma_partition(
-                w_atom, 0, cute.make_layout(1), w_dst, cute.group_modes(w_block, 0, 2)
-            )
-            x_smem_dst, x_src = cpasync.tma_partition(
-                x_atom, 0, cute.make_layout(1), x_dst, cute.group_modes(x_block, 0, 2)
-            )
+        first = run_begin  # first iteration that loads weight and x together
+        if cutlass.const_expr(self.options.weight_before_wait):
+            # The weight blocks of the first ring's worth of iterations go out before the wait, their x
+            # blocks after it: both land on the stage's barrier, which expects their sum.
+            first = cutlass.min(run_end, run_begin + self.stages)
+            x_col = col
+            for _ in cutlass.range(run_begin, first, unroll=1):
+                w_smem_dst, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
+                loads.producer_acquire(state)
+                cute.copy(
+                    w_atom, w_src, w_smem_dst[(None, state.index)],
+                    tma_bar_ptr=loads.producer_get_barrier(state), tma_desc_ptr=weight_map_ptr,
+                )
+                state.advance()
+                # Branch-free step to the next block: with an `if` here, ptxas predicates the R2UR of row.
+                wrapped = (col + TILE_K) // (k_blocks * TILE_K)
+                col = col + TILE_K - wrapped * (k_blocks * TILE_K)
+                row = row + wrapped * TILE_N
+            cute.arch.griddepcontrol_wait()  # x is the previous kernel's output
+            x_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            for _ in cutlass.range(run_begin, first, unroll=1):
+                x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, x_col, self.m_pad)
+                cute.copy(x_atom, x_src, x_smem_dst[(None, x_state.index)],
+                          tma_bar_ptr=loads.producer_get_barrier(x_state))
+                x_state.advance()
+                x_col = x_col + TILE_K
+                if x_col == k_blocks * TILE_K:
+                    x_col = 0
+        elif cutlass.const_expr(self.options.pdl):
+            cute.arch.griddepcontrol_wait()  # x is the previous kernel's output
+        for _ in cutlass.range(first, run_end, unroll=1):
+            w_smem_dst, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
+            x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, col, self.m_pad)
             loads.producer_acquire(state)  # waits for the slot, then expects stage_bytes on its barrier
             barrier = loads.producer_get_barrier(state)
             cute.copy(w_atom, w_src, w_smem_dst[(None, state.index)], tma_bar_ptr=barrier, tma_desc_ptr=weight_map_ptr)
@@ -336,6 +435,12 @@ class WeightStreamingLinear:
                 col = 0
                 row = row + TILE_N
         loads.producer_tail(state)
+
+    @staticmethod
+    def _block(atom, coords, smem, row, col, rows):
+        """(smem destination per stage, global source) of the rows x TILE_K block at element (row, col)."""
+        block = cute.local_tile(cute.domain_offset((row, col), coords), (rows, TILE_K), (0, 0))
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1), smem, cute.group_modes(block, 0, 2))
 
     @cute.jit
     def mma_run(
@@ -469,14 +574,20 @@ def _fake_problem(dtype: type[cutlass.Numeric], has_bias: bool):
 
 
 @functools.cache
-def compile_kernel(dtype: type[cutlass.Numeric], m_pad_: int, has_bias: bool, extra_options: str = ""):
+def compile_kernel(
+    dtype: type[cutlass.Numeric],
+    m_pad_: int,
+    has_bias: bool,
+    extra_options: str = "",
+    options: KernelOptions = DEFAULT_OPTIONS,
+):
     """The kernel compiled for one static configuration (sm_90a, TVM-FFI), cached for the process.
 
     Called as f(x, weight, bias, out, partials, arrivals, weight_map_address, num_ctas) with torch
-    tensors; it launches on the current torch stream. extra_options go to cute.compile (e.g.
-    "--keep-ptx --dump-dir=DIR" to inspect the code).
+    tensors, num_ctas = grid_size(N, K, sm_count, options); it launches on the current torch stream.
+    extra_options go to cute.compile (e.g. "--keep-ptx --dump-dir=DIR" to inspect the code).
     """
-    kernel = WeightStreamingLinear(dtype, m_pad_, has_bias, pipeline_stages(m_pad_))
+    kernel = WeightStreamingLinear(dtype, m_pad_, has_bias, pipeline_stages(m_pad_, options.ctas_per_sm), options)
     return cute.compile(
         kernel,
         *_fake_problem(dtype, has_bias),
@@ -495,21 +606,34 @@ class _Workspace(NamedTuple):
 _workspaces: dict[tuple[int, int], _Workspace] = {}
 
 
-def _workspace(device: torch.device) -> _Workspace:
-    """The split-K workspace of the current stream on `device` (9 MB on an H200), made on first use.
+def _workspace(device_index: int) -> _Workspace:
+    """The split-K workspace of the current stream on CUDA device `device_index` (9 MB on an H200), made on
+    first use.
 
     One per (device, stream): launches on one stream run in order and leave the counters at zero, so
     they share it; launches on different streams must not. Never freed or regrown, so a CUDA graph
     that captured it stays valid. Made during capture, it comes from the graph's pool and the graph
     itself zeroes the counters on every replay.
     """
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    # The raw cudaStream_t, as inductor's generated code reads it: torch.cuda.current_stream() builds a
+    # Stream object per call.
+    key = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
     ws = _workspaces.get(key)
     if ws is None:
-        partials = long_lived_empty(_sm_count(device.index) * 2 * M_PADS[-1] * TILE_N, torch.float32, device)
+        device = torch.device("cuda", device_index)
+        ctas = _sm_count(device_index) * DEFAULT_OPTIONS.ctas_per_sm
+        partials = long_lived_empty(ctas * 2 * M_PADS[-1] * TILE_N, torch.float32, device)
         arrivals = long_lived_empty(MAX_ROW_TILES, torch.int32, device, zero=True)
         ws = _workspaces[key] = _Workspace(partials, arrivals)
     return ws
+
+
+@functools.cache
+def _launch_config(device_index: int, dtype: torch.dtype, M: int, N: int, K: int, has_bias: bool):
+    """(compiled kernel, num_ctas) of one problem shape: compile_kernel's cache key and the grid, worked out
+    once per shape rather than on every call."""
+    compiled = compile_kernel(_DTYPES[dtype], m_pad(M), has_bias, options=DEFAULT_OPTIONS)
+    return compiled, grid_size(N, K, _sm_count(device_index), DEFAULT_OPTIONS)
 
 
 def linear_out(
@@ -534,18 +658,18 @@ def linear_out(
         raise TypeError(f"linear_out: l2_promotion must be a torch_tma.L2Promotion, got {l2_promotion!r}")
     M, K = x2d.shape
     N = weight.shape[0]
-    if tuple(out.shape) != (M, N) or out.dtype != x2d.dtype or out.stride(1) != 1:
+    dtype = x2d.dtype
+    if out.shape != (M, N) or out.dtype != dtype or out.stride(1) != 1:
         raise ValueError(
-            f"linear_out: out must be [{M}, {N}] {x2d.dtype} with unit column stride, got "
+            f"linear_out: out must be [{M}, {N}] {dtype} with unit column stride, got "
             f"{tuple(out.shape)} {out.dtype} strides {out.stride()}"
         )
-    device = weight.device
-    if device.index != torch.cuda.current_device():  # the launch goes to the current device's context
-        with torch.cuda.device(device):
+    device_index = weight.get_device()
+    if device_index != torch.cuda.current_device():  # the launch goes to the current device's context
+        with torch.cuda.device(device_index):
             return linear_out(x2d, weight, bias, out, weight_map_ptr, l2_promotion=l2_promotion)
-    compiled = compile_kernel(_DTYPES[x2d.dtype], m_pad(M), bias is not None)
-    ws = _workspace(device)
-    num_ctas = min(_sm_count(device.index), _iteration_count(N, K))
+    compiled, num_ctas = _launch_config(device_index, dtype, M, N, K, bias is not None)
+    ws = _workspace(device_index)
     compiled(x2d, weight, bias, out, ws.partials, ws.arrivals, weight_map_ptr, num_ctas)
 
 

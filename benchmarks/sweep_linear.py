@@ -1,0 +1,152 @@
+"""Sweep of the linear kernel's static options (torch_tma.kernels.linear.KernelOptions) on the H200.
+
+    timeout 300 python benchmarks/sweep_linear.py [--csv PATH]     # < 4 min on an H200
+
+For each variant (descriptor fence scope, programmatic dependent launch, weight loads before the PDL wait,
+CTAs per SM), each shape N x K in {4096x4096, 6144x4096, 10240x8192} and M in {1, 16, 64} (bf16, no bias):
+first validate the variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| +
+eps * max|ref64|, output poisoned with NaN before the launch), then time it as CUDA events around replays
+of one CUDA graph of back-to-back calls, each on the next of several weight copies (together ~7x the 60 MB
+L2). cuBLAS (F.linear) is timed the same way in the same run. Variants launch the compiled kernel directly
+with their own split-K workspace, so the host path (linear_out) is not involved.
+
+Prints one table: per variant and cell, GPU microseconds per call (median of the replays) and the speedup
+over cuBLAS, then the geomean speedup. A variant whose output is wrong is reported as FAIL in its cells
+and not timed; the script then exits with status 1 after printing everything.
+"""
+
+import argparse
+import csv
+import functools
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us  # noqa: E402
+
+SHAPES = [(4096, 4096), (6144, 4096), (10240, 8192)]  # (N, K)
+MS = (1, 16, 64)
+CALLS_PER_GRAPH = 40
+
+
+def variants(linear):
+    """name -> KernelOptions; "shipped" is the behaviour the kernel was measured with."""
+    opts = linear.KernelOptions
+    return {
+        "shipped(sys)": opts(),
+        "gpu": opts(fence_scope="gpu"),
+        "gpu+pdl": opts(fence_scope="gpu", pdl=True),
+        "gpu+pdl+wbw": opts(fence_scope="gpu", pdl=True, weight_before_wait=True),
+        "sys+pdl+wbw": opts(fence_scope="sys", pdl=True, weight_before_wait=True),
+        "gpu+2cta": opts(fence_scope="gpu", ctas_per_sm=2),
+        "gpu+pdl+wbw+2cta": opts(fence_scope="gpu", pdl=True, weight_before_wait=True, ctas_per_sm=2),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--csv", help="also write one row per (variant, shape, M) here")
+    args = parser.parse_args()
+
+    import cutlass
+    import torch_tma
+    from torch_tma.kernels import linear
+
+    assert torch.cuda.get_device_capability() == (9, 0), "this sweep is for Hopper (sm_90)"
+    started = time.perf_counter()
+    device = torch.device("cuda")
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    cache = torch_tma.default_cache(device)
+    stream = torch.cuda.Stream()
+    table = variants(linear)
+    # One workspace per variant: partials for 2 tiles per CTA at the largest grid, counters zero.
+    workspaces = {
+        name: (torch.empty(sm_count * o.ctas_per_sm * 2 * linear.M_PADS[-1] * linear.TILE_N, dtype=torch.float32,
+                           device=device),
+               torch.zeros(linear.MAX_ROW_TILES, dtype=torch.int32, device=device))
+        for name, o in table.items()
+    }
+    for o in table.values():  # compile up front so compile time shows apart from measurement
+        for m in MS:
+            linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), False, "", o)
+    print(f"compiled {len(table) * len(MS)} kernels [{time.perf_counter() - started:.0f} s]", flush=True)
+
+    results = {}  # (variant or "cublas", N, K, M) -> us, or None for a wrong result
+    failed = []
+    for n, k in SHAPES:
+        copies = max(2, -(-ROTATION_BYTES // (n * k * 2)))
+        weights = [(torch.randn(n, k, device=device) / math.sqrt(k)).to(DTYPE) for _ in range(copies)]
+        box, swizzle = linear.weight_box(n, k, DTYPE), linear.weight_swizzle(DTYPE)
+        maps = [cache.get(w, box, swizzle=swizzle, l2_promotion=linear.DEFAULT_L2_PROMOTION).ptr for w in weights]
+        calls_per_graph = copies * max(1, CALLS_PER_GRAPH // copies)
+        for m in MS:
+            x = torch.randn(m, k, dtype=DTYPE, device=device)
+            out = torch.empty(m, n, dtype=DTYPE, device=device)
+            for name, o in table.items():
+                compiled = linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), False, "", o)
+                partials, arrivals = workspaces[name]
+                num_ctas = linear.grid_size(n, k, sm_count, o)
+                calls = [functools.partial(compiled, x, weights[i % copies], None, out, partials, arrivals,
+                                           maps[i % copies], num_ctas) for i in range(calls_per_graph)]
+                out.fill_(math.nan)
+                calls[0]()
+                torch.cuda.synchronize()
+                try:
+                    check_close(out, x, weights[0], f"{name} {n}x{k} M={m}")
+                    if int(arrivals.abs().sum()):
+                        raise AssertionError(f"{name} {n}x{k} M={m}: split-K arrival counters not reset")
+                except AssertionError as e:
+                    print(f"FAIL {e}", flush=True)
+                    failed.append(name)
+                    results[name, n, k, m] = None
+                    continue
+                results[name, n, k, m] = graph_time_us(calls, stream)[1]
+                # the graph's last replay must also be right (PDL overlaps consecutive launches there)
+                check_close(out, x, weights[(calls_per_graph - 1) % copies], f"{name} {n}x{k} M={m} after replays")
+            results["cublas", n, k, m] = graph_time_us(
+                [functools.partial(F.linear, x, weights[i % copies]) for i in range(calls_per_graph)], stream)[1]
+            print(f"{n}x{k} M={m} done [{time.perf_counter() - started:.0f} s]", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+
+    cells = [(n, k, m) for n, k in SHAPES for m in MS]
+    print(f"\nGPU us per call (median over graph replays) and speedup vs cuBLAS; {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}")
+    print(f"{'variant':18s} {'N x K':>11s}" + "".join(f"{f'M={m}':>16s}" for m in MS))
+    for n, k in SHAPES:
+        print(f"{'cublas':18s} {f'{n}x{k}':>11s}" + "".join(f"{results['cublas', n, k, m]:>16.2f}" for m in MS))
+        for name in table:
+            row = ""
+            for m in MS:
+                us = results[name, n, k, m]
+                row += f"{'FAIL':>16s}" if us is None else f"{us:>9.2f} {results['cublas', n, k, m] / us:>5.2f}x"
+            print(f"{name:18s} {f'{n}x{k}':>11s}{row}")
+    for name in table:
+        speedups = [results["cublas", n, k, m] / results[name, n, k, m] for n, k, m in cells
+                    if results[name, n, k, m] is not None]
+        geomean = math.exp(sum(map(math.log, speedups)) / len(speedups)) if len(speedups) == len(cells) else math.nan
+        worst = min(speedups) if speedups else math.nan
+        print(f"{name:18s} geomean speedup {geomean:6.3f}x  worst cell {worst:5.2f}x")
+    print(f"[{time.perf_counter() - started:.0f} s]")
+
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["variant", "options", "N", "K", "M", "us_p50", "cublas_us_p50"])
+            for name, o in list(table.items()):
+                for n, k, m in cells:
+                    us = results[name, n, k, m]
+                    writer.writerow([name, repr(o), n, k, m, "FAIL" if us is None else f"{us:.3f}",
+                                     f"{results['cublas', n, k, m]:.3f}"])
+    if failed:
+        print(f"wrong results from: {sorted(set(failed))}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
