@@ -72,10 +72,12 @@ def test_kernel_compiles_for_sm90a(dtype, m_pad, has_bias, tmp_path):
     ptx, _ = _ptx_and_cubin(dtype, m_pad, has_bias, tmp_path)
     assert re.search(r"^\.target sm_90a", ptx, re.M), "not compiled for sm_90a"
     # The weight descriptor address is the kernel's Int64 argument; it is acquired, then every weight load
-    # reads through it, and x loads through the atom's own descriptor: exactly two TMA loads per stage.
+    # reads through it, and x loads through the atom's own descriptor: one weight and one x load site per
+    # loop (two loops when the weight is loaded before the PDL wait).
     (fenced,) = re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.\w+ \[(%rd\d+)\], 128;", ptx)
     loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\S* \[[^\]]+\], \[(%rd\d+), \{", ptx)
-    assert len(loads) == 2 and loads.count(fenced) == 1, (fenced, loads)
+    sites = 4 if linear.DEFAULT_OPTIONS.weight_before_wait else 2
+    assert len(loads) == sites and loads.count(fenced) == sites // 2, (fenced, loads)
     argument = re.search(r"ld\.param\.b64\s+" + re.escape(fenced) + r", \[\w+_param_(\d+)\];", ptx)
     assert argument, f"the fenced descriptor {fenced} is not loaded from a kernel argument"
     ab = "bf16" if dtype == torch.bfloat16 else "f16"
@@ -106,7 +108,7 @@ def test_no_predicated_r2ur(m_pad, tmp_path):
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     _, cubin = _ptx_and_cubin(torch.bfloat16, m_pad, True, tmp_path)
     sass = subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True, text=True).stdout
-    assert sass.count("UTMALDG") == 2, "expected the weight and the x TMA load"
+    assert sass.count("UTMALDG") >= 2, "expected the weight and the x TMA loads"
     predicated = re.findall(r"@!?P\d\s+R2UR\b.*", sass)
     assert not predicated, predicated
 

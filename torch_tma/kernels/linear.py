@@ -78,12 +78,13 @@ _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 DEFAULT_L2_PROMOTION = L2Promotion.L2_128B
 
 # Largest M at which this kernel is used, per weight-size class: (upper bound of N*K*element bytes,
-# max M). NOT YET MEASURED: every class starts at 64, the largest tile; benchmarks/bench_linear.py
-# measures where cuBLAS overtakes and these entries are to be set from its CSV.
+# max M); above it the op falls back to cuBLAS. From benchmarks/sweep_linear.py on the H200 with
+# DEFAULT_OPTIONS: M=16 beats cuBLAS on 4096x4096, 6144x4096 and 10240x8192 (1.04-1.09x), M=64 loses on all
+# three (0.69-0.84x).
 CROSSOVER_M = (
-    (64 << 20, 64),
-    (256 << 20, 64),
-    (math.inf, 64),
+    (64 << 20, 16),
+    (256 << 20, 16),
+    (math.inf, 16),
 )
 
 
@@ -118,9 +119,11 @@ class KernelOptions(NamedTuple):
             raise ValueError(f"KernelOptions.ctas_per_sm must be 1 or 2, got {self.ctas_per_sm!r}")
 
 
-# PROVISIONAL: the behaviour the kernel shipped with (measured correct on the H200). To be set from
-# benchmarks/sweep_linear.py on the H200; linear_out compiles with these.
-DEFAULT_OPTIONS = KernelOptions()
+# Measured with benchmarks/sweep_linear.py on the H200 (2026-12-02, docs/results/sweep-linear-h200.log): PDL
+# with the weight loaded before the wait took the fixed overhead from ~7 to ~3.5 us (4096x4096, M=1: 14.94 ->
+# 11.26 us; cuBLAS 12.75); the fence scope changed nothing measurable (.sys kept: the guide's rule for
+# host-written maps); two CTAs per SM were slower everywhere.
+DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True)
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
