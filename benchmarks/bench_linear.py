@@ -172,7 +172,7 @@ def run(shapes, ms, sweep_ms, csv_path):
         for m in ms:
             x = torch.randn(m, k, dtype=DTYPE, device=device)
             out = torch.full((m, n), math.nan, dtype=DTYPE, device=device)
-            assert linear.unsupported_reason(x, shape.weights[0], None) is None
+            assert linear.unsupported_reason(x, shape.weights[0], None, crossover=False) is None
             floor_us = (n * k + m * k + m * n) * 2 / ceiling / 1e3
             # the default promotion first: its row is the cell's torch_tma result
             promotions = [default] + ([p for p in torch_tma.L2Promotion if p != default] if m in sweep_ms else [])

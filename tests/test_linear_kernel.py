@@ -225,7 +225,7 @@ def _weight_map(weight, l2_promotion=linear.DEFAULT_L2_PROMOTION):
 
 def _launch(x2d, weight, bias, out=None, l2_promotion=linear.DEFAULT_L2_PROMOTION):
     """Poison out with NaN and run the kernel on it (a fresh out unless one is given)."""
-    assert linear.unsupported_reason(x2d, weight, bias) is None, linear.unsupported_reason(x2d, weight, bias)
+    assert linear.unsupported_reason(x2d, weight, bias, crossover=False) is None, linear.unsupported_reason(x2d, weight, bias, crossover=False)
     if out is None:
         out = torch.empty(x2d.shape[0], weight.shape[0], dtype=x2d.dtype, device=x2d.device)
     out.fill_(math.nan)
@@ -321,12 +321,13 @@ def test_cuda_graph_replay():
 @on_gpu
 def test_unsupported_reasons():
     x, weight, b = _random(4, 256, 512, torch.bfloat16, True)
-    assert linear.unsupported_reason(x, weight, b) is None
+    assert linear.unsupported_reason(x, weight, b, crossover=False) is None
     bf16 = dict(dtype=torch.bfloat16, device="cuda")
     cases = {
         "is not bfloat16 or float16": (x.float(), weight.float(), None),
         "dtypes differ": (x, weight, b.half()),
-        "above the crossover": (torch.randn(65, 512, **bf16), weight, b),
+        "above the kernel's largest tile": (torch.randn(65, 512, **bf16), weight, b),
+        "above the crossover": (torch.randn(linear.crossover_m(*weight.shape, torch.bfloat16) + 1, 512, **bf16), weight, b),
         "empty": (x[:0], weight, b),
         "multiple of 8": (x[:, :500], weight[:, :500].contiguous(), b),
         "weight is not contiguous": (x[:, :256], weight[:, :256], b),

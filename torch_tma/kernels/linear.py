@@ -163,8 +163,12 @@ def _is_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def unsupported_reason(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[str]:
+def unsupported_reason(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *,
+                       crossover: bool = True) -> Optional[str]:
     """Why this kernel cannot compute F.linear(x2d, weight, bias), or None when it can.
+
+    crossover=False drops the measured policy (M above CROSSOVER_M goes to cuBLAS) and keeps only what the
+    kernel can compute at all (M up to its largest tile): for tests and benchmarks of the kernel itself.
 
     x2d is [M, K], weight [N, K], bias [N] or None. The kernel needs: CUDA tensors on one sm_90 device,
     one dtype (bf16 or fp16) for all, 1 <= M <= the crossover of the shape, K a multiple of 8 (TMA
@@ -192,7 +196,9 @@ def unsupported_reason(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         return reason
     if M == 0:
         return "empty x or weight"
-    if M > max_m:
+    if M > M_PADS[-1]:
+        return f"M={M} is above the kernel's largest tile M={M_PADS[-1]}"
+    if crossover and M > max_m:
         return f"M={M} is above the crossover M={max_m} for a {N}x{K} weight"
     if weight.stride() != (K, 1):
         return f"weight is not contiguous (strides {weight.stride()})"
@@ -607,6 +613,15 @@ class _Workspace(NamedTuple):
 
 
 _workspaces: dict[tuple[int, int], _Workspace] = {}
+_capture_workspaces: dict[int, _Workspace] = {}
+
+
+def _new_workspace(device_index: int) -> _Workspace:
+    device = torch.device("cuda", device_index)
+    ctas = _sm_count(device_index) * DEFAULT_OPTIONS.ctas_per_sm
+    partials = long_lived_empty(ctas * 2 * M_PADS[-1] * TILE_N, torch.float32, device)
+    arrivals = long_lived_empty(MAX_ROW_TILES, torch.int32, device, zero=True)
+    return _Workspace(partials, arrivals)
 
 
 def _workspace(device_index: int) -> _Workspace:
@@ -615,19 +630,24 @@ def _workspace(device_index: int) -> _Workspace:
 
     One per (device, stream): launches on one stream run in order and leave the counters at zero, so
     they share it; launches on different streams must not. Never freed or regrown, so a CUDA graph
-    that captured it stays valid. Made during capture, it comes from the graph's pool and the graph
-    itself zeroes the counters on every replay.
+    that captured it stays valid. A stream seen first while it captures a graph takes the device's capture
+    workspace, made (outside any graph pool) with the first eager workspace: allocating during capture would
+    put it in the graph's pool, which torch.compile's cudagraph trees refuse. Graphs that share it must not be
+    replayed concurrently on different streams.
     """
     # The raw cudaStream_t, as inductor's generated code reads it: torch.cuda.current_stream() builds a
     # Stream object per call.
     key = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
     ws = _workspaces.get(key)
     if ws is None:
-        device = torch.device("cuda", device_index)
-        ctas = _sm_count(device_index) * DEFAULT_OPTIONS.ctas_per_sm
-        partials = long_lived_empty(ctas * 2 * M_PADS[-1] * TILE_N, torch.float32, device)
-        arrivals = long_lived_empty(MAX_ROW_TILES, torch.int32, device, zero=True)
-        ws = _workspaces[key] = _Workspace(partials, arrivals)
+        if torch.cuda.is_current_stream_capturing():
+            if device_index not in _capture_workspaces:
+                raise RuntimeError("tma::linear: first call on this device during CUDA-graph capture; run one "
+                                   "eager call (warm-up) before capturing")
+            return _capture_workspaces[device_index]
+        if device_index not in _capture_workspaces:
+            _capture_workspaces[device_index] = _new_workspace(device_index)
+        ws = _workspaces[key] = _new_workspace(device_index)
     return ws
 
 
