@@ -387,26 +387,31 @@ class TensorMapCache:
                 f"{self.capacity_bytes} B reserved, {s['hits']} hits / {s['misses']} misses)")
 
 
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
 def long_lived_empty(shape, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
     """A device buffer that lives as long as its owner (arena chunks, kernel workspaces), from the default
-    memory pool even while the current stream's allocations are routed to a CUDA-graph pool (torch.compile's
-    cudagraph trees do that during warm-up, then refuse untracked tensors in their pool): allocated on a side
-    stream, which the current stream then waits for. During a real capture it is allocated as usual."""
+    memory pool even while this thread's allocations are routed to a CUDA-graph pool (torch.compile's cudagraph
+    trees do that during warm-up, then refuse untracked tensors in their pool): allocated, and zeroed, by a
+    short-lived thread on the device's default stream, which the current stream then waits for. During a real
+    capture it is allocated as usual (the capture owns it)."""
     device = torch.device(device)
+    make = torch.zeros if zero else torch.empty
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
-    side = _side_streams.get(device)
-    if side is None:
-        side = _side_streams.setdefault(device, torch.cuda.Stream(device))
-    current = torch.cuda.current_stream(device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        buf = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
-    current.wait_stream(side)
-    return buf
+        return make(shape, dtype=dtype, device=device)
+    out: list = []
+
+    def allocate():
+        try:
+            out.append(make(shape, dtype=dtype, device=device))
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+            out.append(e)
+
+    worker = threading.Thread(target=allocate, name="torch_tma-alloc")
+    worker.start()
+    worker.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    torch.cuda.current_stream(device).wait_stream(torch.cuda.default_stream(device))
+    return out[0]
 
 
 def _as_source(source) -> tuple:
