@@ -341,7 +341,6 @@ class Table {
   }
 
   py::object value(int64_t id) { return entry(id).value; }
-  void touch(int64_t id) { note_use(entry(id)); }
   void set_pinned(int64_t id, bool pinned) { entry(id).pinned = pinned; }
 
   // Unlink an entry from the table (no more hits) and record, on every stream it was handed out on, an event
@@ -401,7 +400,6 @@ class Table {
   }
   int64_t hits() const { return hits_; }
   size_t size() const { return entries_.size(); }
-  size_t keyed() const { return by_key_.size(); }
 
  private:
   Entry& entry(int64_t id) {
@@ -685,7 +683,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("current_ptr", &Table::current_ptr)
       .def("order_after_uses", &Table::order_after_uses)
       .def("value", &Table::value)
-      .def("touch", &Table::touch)
       .def("set_pinned", &Table::set_pinned)
       .def("retire", &Table::retire)
       .def("retired", &Table::retired)
@@ -695,6 +692,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("entry_state", &Table::entry_state)
       .def("values", &Table::values)
       .def_property_readonly("hits", &Table::hits)
-      .def("__len__", &Table::size)
-      .def_property_readonly("keyed", &Table::keyed);
+      .def("__len__", &Table::size);
 }

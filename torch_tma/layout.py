@@ -33,7 +33,6 @@ _HW_FORMAT = {0: DataType.UINT8, 1: DataType.UINT16, 2: DataType.UINT32, 3: Data
 _HW_FORMAT_TF32 = {7: DataType.TFLOAT32, 8: DataType.TFLOAT32_FTZ}
 _KNOWN_Q1_BITS = (0x7 << 4) | (0xF << 7) | (0x3 << 11) | (0x3 << 13) | (1 << 15) | (1 << 16) | (0x3 << 17) \
     | (0xFFFFFFFF << 32)
-DSL_FLAG_BITS = (1 << 1) | (1 << 21)
 
 
 def _bits(word: int, lo: int, n: int) -> int:
