@@ -3,12 +3,17 @@
     timeout 300 python benchmarks/sweep_linear.py [--csv PATH]     # < 4 min on an H200
 
 For each variant (descriptor fence scope, programmatic dependent launch, weight loads before the PDL wait,
-CTAs per SM), each shape N x K in {4096x4096, 6144x4096, 10240x8192} and M in {1, 16, 64} (bf16, no bias):
+CTAs per SM, shared-memory share), each shape N x K in SHAPES and M in MS (bf16, no bias):
 first validate the variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| +
 eps * max|ref64|, output poisoned with NaN before the launch), then time it as CUDA events around replays
 of one CUDA graph of back-to-back calls, each on the next of several weight copies (together ~7x the 60 MB
 L2). cuBLAS (F.linear) is timed the same way in the same run. Variants launch the compiled kernel directly
 with their own split-K workspace, so the host path (linear_out) is not involved.
+
+"In situ" (the IN_SITU variants and cuBLAS): the same graph with a small elementwise kernel on x before every
+call (x *= 1), as in a model where a norm or an activation feeds each linear layer; the time per call is the
+pair's minus the small kernel's alone. Back-to-back calls let a PDL launch overlap the previous call; in situ
+there is no previous call of ours to overlap, so this is what a decode step sees.
 
 Prints one table: per variant and cell, GPU microseconds per call (median of the replays) and the speedup
 over cuBLAS, then the geomean speedup. A variant whose output is wrong is reported as FAIL in its cells
@@ -29,22 +34,22 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us  # noqa: E402
 
-SHAPES = [(4096, 4096), (6144, 4096), (10240, 8192)]  # (N, K)
-MS = (1, 16, 64)
+SHAPES = [(4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096), (10240, 8192)]  # (N, K)
+MS = (1, 16, 32, 64)
+IN_SITU = ("shipped", "gpu-fence", "share1", "share3", "no-pdl", "2cta")
 CALLS_PER_GRAPH = 40
 
 
 def variants(linear):
-    """name -> KernelOptions; "shipped" is the behaviour the kernel was measured with."""
-    opts = linear.KernelOptions
+    """name -> KernelOptions; "shipped" is linear.DEFAULT_OPTIONS, the others differ from it as named."""
+    shipped = linear.DEFAULT_OPTIONS
     return {
-        "shipped(sys)": opts(),
-        "gpu": opts(fence_scope="gpu"),
-        "gpu+pdl": opts(fence_scope="gpu", pdl=True),
-        "gpu+pdl+wbw": opts(fence_scope="gpu", pdl=True, weight_before_wait=True),
-        "sys+pdl+wbw": opts(fence_scope="sys", pdl=True, weight_before_wait=True),
-        "gpu+2cta": opts(fence_scope="gpu", ctas_per_sm=2),
-        "gpu+pdl+wbw+2cta": opts(fence_scope="gpu", pdl=True, weight_before_wait=True, ctas_per_sm=2),
+        "shipped": shipped,
+        "no-pdl": shipped._replace(pdl=False, weight_before_wait=False),
+        "gpu-fence": shipped._replace(fence_scope="gpu"),
+        "share1": shipped._replace(smem_share=1),
+        "share3": shipped._replace(smem_share=3),
+        "2cta": shipped._replace(ctas_per_sm=2, smem_share=1),
     }
 
 
@@ -77,6 +82,7 @@ def main():
     print(f"compiled {len(table) * len(MS)} kernels [{time.perf_counter() - started:.0f} s]", flush=True)
 
     results = {}  # (variant or "cublas", N, K, M) -> us, or None for a wrong result
+    in_situ = {}  # the same keys, IN_SITU variants and cuBLAS only: us per call after a small kernel
     failed = []
     for n, k in SHAPES:
         copies = max(2, -(-ROTATION_BYTES // (n * k * 2)))
@@ -87,6 +93,15 @@ def main():
         for m in MS:
             x = torch.randn(m, k, dtype=DTYPE, device=device)
             out = torch.empty(m, n, dtype=DTYPE, device=device)
+            feed = functools.partial(torch.Tensor.mul_, x, 1.0)  # the small kernel of the in-situ runs
+            feed_us = graph_time_us([feed] * calls_per_graph, stream)[1]
+
+            def timed(key, calls):
+                results[key] = graph_time_us(calls, stream)[1]
+                if key[0] in IN_SITU or key[0] == "cublas":
+                    paired = [c for call in calls for c in (feed, call)]
+                    in_situ[key] = graph_time_us(paired, stream)[1] * 2 - feed_us
+
             for name, o in table.items():
                 compiled = linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), False, "", o)
                 partials, arrivals = workspaces[name]
@@ -103,46 +118,51 @@ def main():
                 except AssertionError as e:
                     print(f"FAIL {e}", flush=True)
                     failed.append(name)
-                    results[name, n, k, m] = None
+                    results[name, n, k, m] = in_situ[name, n, k, m] = None
                     continue
-                results[name, n, k, m] = graph_time_us(calls, stream)[1]
+                timed((name, n, k, m), calls)
                 # the graph's last replay must also be right (PDL overlaps consecutive launches there)
                 check_close(out, x, weights[(calls_per_graph - 1) % copies], f"{name} {n}x{k} M={m} after replays")
-            results["cublas", n, k, m] = graph_time_us(
-                [functools.partial(F.linear, x, weights[i % copies]) for i in range(calls_per_graph)], stream)[1]
+            timed(("cublas", n, k, m), [functools.partial(F.linear, x, weights[i % copies])
+                                        for i in range(calls_per_graph)])
             print(f"{n}x{k} M={m} done [{time.perf_counter() - started:.0f} s]", flush=True)
         del weights
         torch.cuda.empty_cache()
 
     cells = [(n, k, m) for n, k in SHAPES for m in MS]
-    print(f"\nGPU us per call (median over graph replays) and speedup vs cuBLAS; {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}")
-    print(f"{'variant':18s} {'N x K':>11s}" + "".join(f"{f'M={m}':>16s}" for m in MS))
-    for n, k in SHAPES:
-        print(f"{'cublas':18s} {f'{n}x{k}':>11s}" + "".join(f"{results['cublas', n, k, m]:>16.2f}" for m in MS))
-        for name in table:
-            row = ""
-            for m in MS:
-                us = results[name, n, k, m]
-                row += f"{'FAIL':>16s}" if us is None else f"{us:>9.2f} {results['cublas', n, k, m] / us:>5.2f}x"
-            print(f"{name:18s} {f'{n}x{k}':>11s}{row}")
-    for name in table:
-        speedups = [results["cublas", n, k, m] / results[name, n, k, m] for n, k, m in cells
-                    if results[name, n, k, m] is not None]
-        geomean = math.exp(sum(map(math.log, speedups)) / len(speedups)) if len(speedups) == len(cells) else math.nan
-        worst = min(speedups) if speedups else math.nan
-        print(f"{name:18s} geomean speedup {geomean:6.3f}x  worst cell {worst:5.2f}x")
+    for title, res, names in (("back-to-back calls", results, list(table)),
+                              ("in situ (a small kernel before each call)", in_situ, [v for v in table if v in IN_SITU])):
+        print(f"\n{title}: GPU us per call (median over graph replays) and speedup vs cuBLAS; "
+              f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+        print(f"{'variant':18s} {'N x K':>11s}" + "".join(f"{f'M={m}':>16s}" for m in MS))
+        for n, k in SHAPES:
+            print(f"{'cublas':18s} {f'{n}x{k}':>11s}" + "".join(f"{res['cublas', n, k, m]:>16.2f}" for m in MS))
+            for name in names:
+                row = ""
+                for m in MS:
+                    us = res[name, n, k, m]
+                    row += f"{'FAIL':>16s}" if us is None else f"{us:>9.2f} {res['cublas', n, k, m] / us:>5.2f}x"
+                print(f"{name:18s} {f'{n}x{k}':>11s}{row}")
+        for name in names:
+            speedups = [res["cublas", n, k, m] / res[name, n, k, m] for n, k, m in cells
+                        if res[name, n, k, m] is not None]
+            geomean = math.exp(sum(map(math.log, speedups)) / len(speedups)) if len(speedups) == len(cells) else math.nan
+            worst = min(speedups) if speedups else math.nan
+            print(f"{name:18s} geomean speedup {geomean:6.3f}x  worst cell {worst:5.2f}x")
     print(f"[{time.perf_counter() - started:.0f} s]")
 
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["variant", "options", "N", "K", "M", "us_p50", "cublas_us_p50"])
-            for name, o in list(table.items()):
+            writer.writerow(["variant", "options", "N", "K", "M", "us_p50", "cublas_us_p50", "in_situ_us_p50",
+                             "cublas_in_situ_us_p50"])
+            for name, o in table.items():
                 for n, k, m in cells:
-                    us = results[name, n, k, m]
+                    us, situ = results[name, n, k, m], in_situ.get((name, n, k, m), "")
                     writer.writerow([name, repr(o), n, k, m, "FAIL" if us is None else f"{us:.3f}",
-                                     f"{results['cublas', n, k, m]:.3f}"])
+                                     f"{results['cublas', n, k, m]:.3f}",
+                                     "FAIL" if situ is None else situ and f"{situ:.3f}",
+                                     f"{in_situ['cublas', n, k, m]:.3f}"])
     if failed:
         print(f"wrong results from: {sorted(set(failed))}", file=sys.stderr)
         sys.exit(1)

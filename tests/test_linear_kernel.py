@@ -50,8 +50,11 @@ OPTION_VARIANTS = [
     linear.KernelOptions(fence_scope="gpu", pdl=True, weight_before_wait=True),
     linear.KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, ctas_per_sm=2),
     linear.KernelOptions(fence_scope="gpu", ctas_per_sm=2),
+    linear.KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2),
+    linear.KernelOptions(fence_scope="gpu", pdl=True, weight_before_wait=True, smem_share=3),
 ]
-OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}" for o in OPTION_VARIANTS]
+OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
+              for o in OPTION_VARIANTS]
 
 
 def _ptx_and_cubin(dtype, m_pad, has_bias, tmp_path, options=linear.DEFAULT_OPTIONS):
@@ -133,15 +136,15 @@ def test_kernel_options_compile(options, tmp_path):
 
 
 @pytest.mark.parametrize("m_pad", linear.M_PADS)
-@pytest.mark.parametrize("ctas_per_sm", [1, 2])
-def test_pipeline_fits_shared_memory(m_pad, ctas_per_sm):
-    """ctas_per_sm rings, their reserve and the driver's per-CTA KiB fit in one SM; one more stage would not."""
-    stages = linear.pipeline_stages(m_pad, ctas_per_sm)
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_pipeline_fits_shared_memory(m_pad, slots):
+    """`slots` rings, their reserve and the driver's per-CTA KiB fit in one SM; one more stage would not."""
+    stages = linear.pipeline_stages(m_pad, slots)
     stage_bytes = (linear.TILE_N + m_pad) * linear.TILE_K * 2
     per_cta = stages * stage_bytes + linear.SMEM_RESERVED
     assert stages >= 2 and per_cta <= linear.SMEM_BYTES
-    assert ctas_per_sm * (per_cta + linear.SMEM_PER_CTA_SYSTEM) <= linear.SMEM_PER_SM
-    budget = min(linear.SMEM_BYTES, linear.SMEM_PER_SM // ctas_per_sm - linear.SMEM_PER_CTA_SYSTEM)
+    assert slots * (per_cta + linear.SMEM_PER_CTA_SYSTEM) <= linear.SMEM_PER_SM
+    budget = min(linear.SMEM_BYTES, linear.SMEM_PER_SM // slots - linear.SMEM_PER_CTA_SYSTEM)
     assert per_cta + stage_bytes > budget
 
 
@@ -152,6 +155,10 @@ def test_kernel_options_check():
         linear.KernelOptions(weight_before_wait=True).check()
     with pytest.raises(ValueError, match="ctas_per_sm"):
         linear.KernelOptions(ctas_per_sm=3).check()
+    with pytest.raises(ValueError, match="smem_share"):
+        linear.KernelOptions(smem_share=4).check()
+    assert linear.KernelOptions(ctas_per_sm=2).smem_slots == 2
+    assert linear.KernelOptions(smem_share=3).smem_slots == 3
     with pytest.raises(ValueError, match="scope"):
         tma_cute.tma_desc_ptr(0, scope="cta")
 

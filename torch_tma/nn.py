@@ -89,6 +89,8 @@ class Linear(nn.Linear):
 
 
 def _rebuild(cls, linear: nn.Linear, **kwargs) -> nn.Linear:
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
     # Built on the meta device so no weight is allocated or initialised, then handed the original Parameters.
     with torch.device("meta"):
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, **kwargs)
@@ -111,6 +113,11 @@ def unservable_reason(linear: nn.Linear) -> str | None:
     if linear.weight.is_cuda:
         return ops.weight_unsupported_reason(linear.weight, linear.bias)
     return None
+
+
+def _check_model(model, fn: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"torch_tma.nn.{fn}: model must be an nn.Module, got {type(model).__name__}")
 
 
 def _replace(module: nn.Module, fqn: str, replacement: Callable[[nn.Module, str], nn.Module], done: dict) -> nn.Module:
@@ -143,6 +150,13 @@ def swap_linear_(
     swapped when unservable_reason(module) is None. report, if given, is a list that receives (fqn, reason) for
     every nn.Linear (or subclass) left as it is. Returns model, or the new root when model is itself a Linear.
     """
+    _check_model(model, "swap_linear_")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(
+            f"swap_linear_: filter_fn must be callable (module, fqn) -> bool, got {type(filter_fn).__name__}"
+        )
+    if l2_promotion is not None:
+        l2_promotion = L2Promotion(l2_promotion)  # ValueError for a value that is no promotion, before any swap
 
     def swap(module, fqn):
         if not isinstance(module, nn.Linear) or isinstance(module, Linear):
@@ -162,6 +176,7 @@ def swap_linear_(
 
 def unswap_linear_(model: nn.Module) -> nn.Module:
     """Replace every torch_tma.nn.Linear of model by an nn.Linear sharing its Parameters; returns the root."""
+    _check_model(model, "unswap_linear_")
     return _replace(model, "", lambda m, fqn: m.to_linear() if isinstance(m, Linear) else m, {})
 
 
@@ -172,6 +187,7 @@ def refresh(model: nn.Module) -> None:
     read the new weight on their next replay. A bias, and any parameter outside these descriptors, is baked
     into a graph by address: update those in place (copy_) instead. Not allowed during graph capture.
     """
+    _check_model(model, "refresh")
     for module in model.modules():
         if isinstance(module, Linear):
             module.sync_weight_map()

@@ -19,8 +19,9 @@ How (one CTA per SM, 160 threads):
   tile in CTA order (deterministic), adds the bias, writes y and resets the counter to zero, so the
   next launch, and every CUDA-graph replay, starts from zeros. Nothing ever waits on another CTA.
 - Warp 4 only issues TMA loads (W through our descriptor via tma_desc_ptr=, x through the atom's own
-  descriptor) into a ring of as many stages as shared memory holds; warps 0-3 run wgmma, release each
-  stage, and do the fix-up and epilogue, so loads keep flowing while a tile is written out.
+  descriptor) into a ring of as many stages as half an SM's shared memory holds (KernelOptions.smem_share=2:
+  the other half takes the next launch's CTA, which starts loading its weight early); warps 0-3 run wgmma,
+  release each stage, and do the fix-up and epilogue, so loads keep flowing while a tile is written out.
 
 Host path per call: validate (unsupported_reason) -> plan (cached per dtype, m_pad, bias) -> compiled
 kernel (cached, one per static configuration, TVM-FFI) -> launch on the current torch stream.
@@ -101,14 +102,24 @@ class KernelOptions(NamedTuple):
     weight_before_wait: with pdl, the TMA warp fills the ring with weight blocks before
         griddepcontrol.wait and adds the x blocks after it. Valid only when the kernel just before this
         one in the stream does not write the weight (decode: weights are constant).
-    ctas_per_sm: co-resident CTAs per SM; each gets 1/ctas_per_sm of the shared memory, hence fewer
-        stages. The grid is grid_size(...) CTAs and the workspace must hold 2 partial tiles per CTA.
+    ctas_per_sm: CTAs of one launch per SM. The grid is grid_size(...) CTAs and the workspace must hold
+        2 partial tiles per CTA.
+    smem_share: the SM's shared memory is cut into max(ctas_per_sm, smem_share) equal shares and a CTA's
+        ring fills one. With ctas_per_sm=1 and smem_share=2 (and pdl) the next launch's CTA fits beside
+        this one on every SM and streams its weight while this one finishes, at the cost of a ring half
+        as deep.
     """
 
     fence_scope: str = "sys"
     pdl: bool = False
     weight_before_wait: bool = False
     ctas_per_sm: int = 1
+    smem_share: int = 1
+
+    @property
+    def smem_slots(self) -> int:
+        """Equal shares the SM's shared memory is cut into (one per CTA)."""
+        return max(self.ctas_per_sm, self.smem_share)
 
     def check(self) -> None:
         if self.fence_scope not in ("sys", "gpu"):
@@ -117,13 +128,19 @@ class KernelOptions(NamedTuple):
             raise ValueError("KernelOptions.weight_before_wait needs pdl=True (there is no wait to load before)")
         if self.ctas_per_sm not in (1, 2):
             raise ValueError(f"KernelOptions.ctas_per_sm must be 1 or 2, got {self.ctas_per_sm!r}")
+        if self.smem_share not in (1, 2, 3):
+            raise ValueError(f"KernelOptions.smem_share must be 1, 2 or 3, got {self.smem_share!r}")
 
 
 # Measured with benchmarks/sweep_linear.py on the H200 (2026-12-02, docs/results/sweep-linear-h200.log): PDL
-# with the weight loaded before the wait took the fixed overhead from ~7 to ~3.5 us (4096x4096, M=1: 14.94 ->
-# 11.26 us; cuBLAS 12.75); the fence scope changed nothing measurable (.sys kept: the guide's rule for
-# host-written maps); two CTAs per SM were slower everywhere.
-DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True)
+# with the weight loaded before the wait took the fixed overhead from ~7 to ~3.5 us on back-to-back calls
+# (4096x4096, M=1: 14.94 -> 11.26 us; cuBLAS 12.75); the fence scope changed nothing measurable (.sys kept: the
+# guide's rule for host-written maps). In a model a linear layer follows a norm or an activation, not another
+# linear layer: there ("in situ", a small kernel before each call) half the shared memory per CTA
+# (smem_share=2) was faster than the full ring on all 20 cells measured (4096x4096 M=1: 12.86 vs 14.18 us,
+# geomean 0.892x vs 0.845x of cuBLAS) and at most 1-3 % slower on back-to-back calls (geomean 0.971x vs 0.982x).
+# Two CTAs per SM (a grid of 2 per SM) were slower everywhere.
+DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2)
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -244,11 +261,11 @@ def m_pad(M: int) -> int:
     return next(p for p in M_PADS if p >= M)
 
 
-def pipeline_stages(m_pad_: int, ctas_per_sm: int = 1) -> int:
-    """Stages of the TMA ring that fit in one CTA's share of shared memory; a stage is a 128 x 64
-    weight block and an m_pad x 64 block of x, 2-byte elements."""
+def pipeline_stages(m_pad_: int, smem_slots: int = 1) -> int:
+    """Stages of the TMA ring that fit in one CTA's share (1 / smem_slots) of an SM's shared memory; a stage
+    is a 128 x 64 weight block and an m_pad x 64 block of x, 2-byte elements."""
     stage_bytes = (TILE_N + m_pad_) * TILE_K * 2
-    cta_bytes = min(SMEM_BYTES, SMEM_PER_SM // ctas_per_sm - SMEM_PER_CTA_SYSTEM)
+    cta_bytes = min(SMEM_BYTES, SMEM_PER_SM // smem_slots - SMEM_PER_CTA_SYSTEM)
     return (cta_bytes - SMEM_RESERVED) // stage_bytes
 
 
@@ -596,7 +613,7 @@ def compile_kernel(
     tensors, num_ctas = grid_size(N, K, sm_count, options); it launches on the current torch stream.
     extra_options go to cute.compile (e.g. "--keep-ptx --dump-dir=DIR" to inspect the code).
     """
-    kernel = WeightStreamingLinear(dtype, m_pad_, has_bias, pipeline_stages(m_pad_, options.ctas_per_sm), options)
+    kernel = WeightStreamingLinear(dtype, m_pad_, has_bias, pipeline_stages(m_pad_, options.smem_slots), options)
     return cute.compile(
         kernel,
         *_fake_problem(dtype, has_bias),
