@@ -138,7 +138,7 @@ class KernelOptions(NamedTuple):
 # guide's rule for host-written maps). In a model a linear layer follows a norm or an activation, not another
 # linear layer: there ("in situ", a small kernel before each call) half the shared memory per CTA
 # (smem_share=2) was faster than the full ring on all 20 cells measured (4096x4096 M=1: 12.86 vs 14.18 us,
-# geomean 0.892x vs 0.845x of cuBLAS) and at most 1-3 % slower on back-to-back calls (geomean 0.971x vs 0.982x).
+# geomean 0.892x vs 0.845x of cuBLAS) and at most 2.6 % slower on back-to-back calls (geomean 0.971x vs 0.982x).
 # Two CTAs per SM (a grid of 2 per SM) were slower everywhere.
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2)
 
