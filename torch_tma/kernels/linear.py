@@ -79,9 +79,10 @@ _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 DEFAULT_L2_PROMOTION = L2Promotion.L2_128B
 
 # Largest M at which this kernel is used, per weight-size class: (upper bound of N*K*element bytes,
-# max M); above it the op falls back to cuBLAS. From benchmarks/sweep_linear.py on the H200 with
-# DEFAULT_OPTIONS: M=16 beats cuBLAS on 4096x4096, 6144x4096 and 10240x8192 (1.04-1.09x), M=64 loses on all
-# three (0.69-0.84x).
+# max M); above it the op falls back to cuBLAS. From benchmarks/bench_linear.py on the H200 (back-to-back calls,
+# docs/results/linear-h200.csv, smem_share=2): at M=16 the kernel is 0.97-1.09x of cuBLAS on the 7 shapes,
+# at M=32 0.95-1.10x (slower on 5 of 7) and at M=64 0.69-1.02x (slower on 6 of 7). In situ it is slower than
+# cuBLAS at every M on the Llama-3-8B shapes (docs/linear.md).
 CROSSOVER_M = (
     (64 << 20, 16),
     (256 << 20, 16),
@@ -132,14 +133,14 @@ class KernelOptions(NamedTuple):
             raise ValueError(f"KernelOptions.smem_share must be 1, 2 or 3, got {self.smem_share!r}")
 
 
-# Measured with benchmarks/sweep_linear.py on the H200 (2026-12-02, docs/results/sweep-linear-h200.log): PDL
-# with the weight loaded before the wait took the fixed overhead from ~7 to ~3.5 us on back-to-back calls
+# Measured with benchmarks/sweep_linear.py on the H200 (2026-12-02, docs/linear.md, docs/results/sweep-linear-h200*):
+# PDL with the weight loaded before the wait took the fixed overhead from ~7 to ~3.5 us on back-to-back calls
 # (4096x4096, M=1: 14.94 -> 11.26 us; cuBLAS 12.75); the fence scope changed nothing measurable (.sys kept: the
 # guide's rule for host-written maps). In a model a linear layer follows a norm or an activation, not another
 # linear layer: there ("in situ", a small kernel before each call) half the shared memory per CTA
-# (smem_share=2) was faster than the full ring on all 20 cells measured (4096x4096 M=1: 12.86 vs 14.18 us,
-# geomean 0.892x vs 0.845x of cuBLAS) and at most 2.6 % slower on back-to-back calls (geomean 0.971x vs 0.982x).
-# Two CTAs per SM (a grid of 2 per SM) were slower everywhere.
+# (smem_share=2) was faster than the full ring on all 20 cells in each of two runs (4096x4096 M=1: 13.12 vs
+# 14.18 us; geomean 0.897x vs 0.855x of cuBLAS) and at most 2.6 % slower on back-to-back calls (geomean 0.973x
+# vs 0.986x). A third of it, and two CTAs per SM of one launch, were slower in both.
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2)
 
 
