@@ -19,9 +19,9 @@ How (one CTA per SM, 160 threads):
   tile in CTA order (deterministic), adds the bias, writes y and resets the counter to zero, so the
   next launch, and every CUDA-graph replay, starts from zeros. Nothing ever waits on another CTA.
 - Warp 4 only issues TMA loads (W through our descriptor via tma_desc_ptr=, x through the atom's own
-  descriptor) into a ring of as many stages as half an SM's shared memory holds (KernelOptions.smem_share=2:
-  the other half takes the next launch's CTA, which starts loading its weight early); warps 0-3 run wgmma,
-  release each stage, and do the fix-up and epilogue, so loads keep flowing while a tile is written out.
+  descriptor) into a ring of as many stages as half an SM's shared memory holds (KernelOptions.smem_share=2,
+  chosen by measurement: see DEFAULT_OPTIONS); warps 0-3 run wgmma, release each stage, and do the fix-up
+  and epilogue, so loads keep flowing while a tile is written out.
 
 Host path per call: validate (unsupported_reason) -> plan (cached per dtype, m_pad, bias) -> compiled
 kernel (cached, one per static configuration, TVM-FFI) -> launch on the current torch stream.
@@ -106,9 +106,10 @@ class KernelOptions(NamedTuple):
     ctas_per_sm: CTAs of one launch per SM. The grid is grid_size(...) CTAs and the workspace must hold
         2 partial tiles per CTA.
     smem_share: the SM's shared memory is cut into max(ctas_per_sm, smem_share) equal shares and a CTA's
-        ring fills one. With ctas_per_sm=1 and smem_share=2 (and pdl) the next launch's CTA fits beside
-        this one on every SM and streams its weight while this one finishes, at the cost of a ring half
-        as deep.
+        ring fills one. With ctas_per_sm=1 and smem_share=2 a CTA of the next launch fits beside this one
+        on every SM (ncu: shared-memory occupancy limit 2), at the cost of a ring half as deep. Measured
+        gain (DEFAULT_OPTIONS): after a foreign kernel, not on back-to-back launches of this one; why is
+        not established.
     """
 
     fence_scope: str = "sys"
