@@ -2,8 +2,9 @@
 
     timeout 300 python benchmarks/sweep_linear.py [--csv PATH]     # < 4 min on an H200
 
-For each variant (descriptor fence scope, programmatic dependent launch, weight loads before the PDL wait,
-CTAs per SM, shared-memory share), each shape N x K in SHAPES and M in MS (bf16, no bias):
+For each variant (programmatic dependent launch, shared-memory share, split-K in a cluster instead of stream-K;
+earlier runs also swept the descriptor fence scope, a third of the shared memory and two CTAs per SM: see
+docs/linear.md), each shape N x K in SHAPES and M in MS (bf16, no bias):
 first validate the variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| +
 eps * max|ref64|, output poisoned with NaN before the launch), then time it as CUDA events around replays
 of one CUDA graph of back-to-back calls, each on the next of several weight copies (together ~7x the 60 MB
@@ -36,7 +37,7 @@ from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us  # no
 
 SHAPES = [(4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096), (10240, 8192)]  # (N, K)
 MS = (1, 16, 32, 64)
-IN_SITU = ("shipped", "gpu-fence", "share1", "share3", "no-pdl", "2cta")
+IN_SITU = ("shipped", "share1", "no-pdl", "cluster", "cluster1")
 CALLS_PER_GRAPH = 40
 
 
@@ -46,10 +47,11 @@ def variants(linear):
     return {
         "shipped": shipped,
         "no-pdl": shipped._replace(pdl=False, weight_before_wait=False),
-        "gpu-fence": shipped._replace(fence_scope="gpu"),
         "share1": shipped._replace(smem_share=1),
-        "share3": shipped._replace(smem_share=3),
-        "2cta": shipped._replace(ctas_per_sm=2, smem_share=1),
+        # split K inside a cluster per row tile where the shape allows (M <= 16), stream-K elsewhere; grid up to
+        # 2 CTAs per SM ("cluster") or 1 ("cluster1")
+        "cluster": shipped._replace(smem_share=2, cluster_split=2),
+        "cluster1": shipped._replace(smem_share=2, cluster_split=1),
     }
 
 
@@ -77,8 +79,8 @@ def main():
         for name, o in table.items()
     }
     for o in table.values():  # compile up front so compile time shows apart from measurement
-        for m in MS:
-            linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), False, "", o)
+        for (n, k), m in ((shape, m) for shape in SHAPES for m in MS):
+            linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), False, "", linear.options_for(o, n, k, m, sm_count))
     print(f"compiled {len(table) * len(MS)} kernels [{time.perf_counter() - started:.0f} s]", flush=True)
 
     results = {}  # (variant or "cublas", N, K, M) -> us, or None for a wrong result
@@ -103,6 +105,7 @@ def main():
                     in_situ[key] = graph_time_us(paired, stream)[1] * 2 - feed_us
 
             for name, o in table.items():
+                o = linear.options_for(o, n, k, m, sm_count)
                 compiled = linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), False, "", o)
                 partials, arrivals = workspaces[name]
                 num_ctas = linear.grid_size(n, k, sm_count, o)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import cutlass
 import cutlass.cute as cute
+from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
 import torch_tma
@@ -52,9 +53,11 @@ OPTION_VARIANTS = [
     linear.KernelOptions(fence_scope="gpu", ctas_per_sm=2),
     linear.KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2),
     linear.KernelOptions(fence_scope="gpu", pdl=True, weight_before_wait=True, smem_share=3),
+    linear.KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=2),
+    linear.KernelOptions(fence_scope="gpu", smem_share=2, cluster_split=1),
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
-              for o in OPTION_VARIANTS]
+              f"-cluster{o.cluster_split}" for o in OPTION_VARIANTS]
 
 
 def _ptx_and_cubin(dtype, m_pad, has_bias, tmp_path, options=linear.DEFAULT_OPTIONS):
@@ -148,6 +151,26 @@ def test_pipeline_fits_shared_memory(m_pad, slots):
     assert per_cta + stage_bytes > budget
 
 
+STORAGE_CASES = [(share, m_pad, cluster_k) for share in (1, 2, 3) for m_pad in linear.M_PADS
+                 for cluster_k in ((0, 2, 3, 4) if m_pad in linear.CLUSTER_M_PADS and share > 1 else (0,))]
+
+
+@pytest.mark.parametrize("share,m_pad,cluster_k", STORAGE_CASES,
+                         ids=[f"share{s}-m{m}-cluster{c}" for s, m, c in STORAGE_CASES])
+def test_shared_storage_fits_the_share(share, m_pad, cluster_k):
+    """The shared memory the kernel launches with (its SharedStorage: barriers, ring, received partials) fits one
+    CTA's share of the SM, so smem_share CTAs fit per SM and the launch is not rejected."""
+    options = linear.DEFAULT_OPTIONS._replace(smem_share=share, cluster_k=cluster_k)
+    kernel = linear.WeightStreamingLinear(
+        DSL_DTYPES[torch.bfloat16], m_pad, False, linear.pipeline_stages(m_pad, share, cluster_k), options
+    )
+    cute.compile(kernel, *linear._fake_problem(DSL_DTYPES[torch.bfloat16], False), Int64(0), Int32(1),
+                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), None,
+                 options="--gpu-arch sm_90a --enable-tvm-ffi")
+    used = kernel.shared_storage.size_in_bytes()
+    assert used <= min(linear.SMEM_BYTES, linear.SMEM_PER_SM // share - linear.SMEM_PER_CTA_SYSTEM), used
+
+
 def test_kernel_options_check():
     with pytest.raises(ValueError, match="fence_scope"):
         linear.KernelOptions(fence_scope="cta").check()
@@ -161,6 +184,47 @@ def test_kernel_options_check():
     assert linear.KernelOptions(smem_share=3).smem_slots == 3
     with pytest.raises(ValueError, match="scope"):
         tma_cute.tma_desc_ptr(0, scope="cta")
+
+
+@pytest.mark.parametrize("m_pad", linear.CLUSTER_M_PADS)
+@pytest.mark.parametrize("cluster_k", [2, 3, 4])
+def test_cluster_split_compiles(m_pad, cluster_k, tmp_path):
+    """A cluster-split build sends its partial to CTA 0 with st.async (m_pad / 4 16-byte pieces per thread) counted
+    on CTA 0's barrier, waits on the cluster barrier only before sending, and uses no global atomics (no split-K
+    counters); its ring and received partials fit the CTA's share of shared memory."""
+    options = linear.DEFAULT_OPTIONS._replace(cluster_split=2, cluster_k=cluster_k)
+    ptx, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, tmp_path, options)
+    sends = re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32", ptx)
+    assert len(sends) == m_pad // 4, sends
+    assert ptx.count("barrier.cluster.arrive") == 1 and ptx.count("barrier.cluster.wait") == 1
+    assert "atom.global" not in ptx and "red.global" not in ptx
+    stages = linear.pipeline_stages(m_pad, options.smem_slots, cluster_k)
+    per_cta = (stages * (linear.TILE_N + m_pad) * linear.TILE_K * 2 + linear.SMEM_RESERVED
+               + (cluster_k - 1) * linear.TILE_N * m_pad * 4)
+    assert stages >= 2 and options.smem_slots * (per_cta + linear.SMEM_PER_CTA_SYSTEM) <= linear.SMEM_PER_SM
+
+
+def test_cluster_k_for_policy():
+    """One cluster per row tile, the whole grid resident at once; stream-K where that cannot be, or for m_pad > 16."""
+    sms = 132
+    assert linear.cluster_k_for(4096, 4096, 8, sms, 1) == 4  # 32 row tiles x 4 = 128 CTAs
+    assert linear.cluster_k_for(6144, 4096, 16, sms, 1) == 2  # 48 x 2 = 96 (x 3 = 144 > 132)
+    assert linear.cluster_k_for(6144, 4096, 16, sms, 2) == 4  # 48 x 4 = 192 <= 264
+    assert linear.cluster_k_for(10240, 8192, 8, sms, 2) == 3  # 80 x 3 = 240
+    assert linear.cluster_k_for(28672, 4096, 8, sms, 2) == 1  # 224 row tiles, one CTA each
+    assert linear.cluster_k_for(28672, 4096, 8, sms, 1) == 0  # 224 > 132: stream-K
+    assert linear.cluster_k_for(57344, 8192, 8, sms, 2) == 0  # 448 > 264: stream-K
+    assert linear.cluster_k_for(4096, 4096, 32, sms, 2) == 0  # m_pad 32: stream-K
+    assert linear.cluster_k_for(1000, 72, 8, sms, 2) == 2  # K = 72: two 64-column blocks
+    shaped = linear.options_for(linear.KernelOptions(smem_share=2, cluster_split=2), 4096, 4096, 3, sms)
+    assert shaped.cluster_k == 4 and linear.grid_size(4096, 4096, sms, shaped) == 128
+    assert linear.options_for(linear.KernelOptions(), 4096, 4096, 3, sms).cluster_k == 0
+    with pytest.raises(ValueError, match="cluster_k"):
+        linear.grid_size(1000, 72, sms, shaped)
+    with pytest.raises(ValueError, match="cluster_split"):
+        linear.KernelOptions(cluster_split=2).check()  # two CTAs per SM need half the shared memory each
+    with pytest.raises(ValueError, match="m_pad"):
+        linear.compile_kernel(DSL_DTYPES[torch.bfloat16], 32, False, "", shaped)
 
 
 # ---- CPU: the descriptor contract with the op --------------------------------------------------------
@@ -301,6 +365,26 @@ def test_every_l2_promotion_same_bits():
 
 
 @on_gpu
+@pytest.mark.parametrize("cluster_k", [1, 2, 3, 4])
+def test_cluster_split_numerics(cluster_k):
+    """Every cluster size on benchmark and ragged shapes, every M of both cluster m_pads, with and without bias:
+    each output element matches the float64 reference (NaN-poisoned before the launch)."""
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    options = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_k=cluster_k)
+    workspace = linear._workspace(0)
+    for n, k in [(4096, 4096), (6144, 4096), (1000, 1000), (129, 520), (8, 256)]:
+        for m in (1, 2, 7, 8, 9, 16):
+            bias = m % 2 == 1
+            x, weight, b = _random(m, n, k, torch.bfloat16, bias)
+            out = torch.full((m, n), math.nan, dtype=torch.bfloat16, device="cuda")
+            compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(m), bias, "", options)
+            compiled(x, weight, b, out, workspace.partials, workspace.arrivals, _weight_map(weight).ptr,
+                     linear.grid_size(n, k, sm_count, options))
+            torch.cuda.synchronize()
+            _check(out, x, weight, b, f"cluster_k={cluster_k} {n}x{k} M={m}")
+
+
+@on_gpu
 def test_cuda_graph_replay():
     """Captured once, replayed with new x: every replay is right, so the arrival counters are back at zero
     after each one (the CTA that completes a tile resets its counter)."""
@@ -352,8 +436,9 @@ def _launch_chain(options, problems, outs, partials, arrivals):
     sharing one workspace: with pdl each launch overlaps the previous one's tail."""
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for (x, weight, b, weight_map), out in zip(problems, outs):
-        compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(x.shape[0]), b is not None, "", options)
-        num_ctas = linear.grid_size(weight.shape[0], weight.shape[1], sm_count, options)
+        shaped = linear.options_for(options, weight.shape[0], weight.shape[1], x.shape[0], sm_count)
+        compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(x.shape[0]), b is not None, "", shaped)
+        num_ctas = linear.grid_size(weight.shape[0], weight.shape[1], sm_count, shaped)
         compiled(x, weight, b, out, partials, arrivals, weight_map.ptr, num_ctas)
 
 

@@ -69,8 +69,24 @@ SMEM_RESERVED = 2 * 1024
 # Shared memory of one SM, split between co-resident CTAs; the driver keeps 1 KiB of it per CTA.
 SMEM_PER_SM = 228 * 1024
 SMEM_PER_CTA_SYSTEM = 1024
+MAX_CLUSTER_K = 4  # most CTAs one row tile is split across in a cluster-split build
+CLUSTER_M_PADS = (8, 16)  # m_pad of cluster-split builds: their partial buffer, (cluster_k - 1) x 128 x m_pad fp32
 MAX_ROW_TILES = 1 << 16  # arrival counters per workspace: N up to 8,388,608 rows
 FIXUP_BARRIER = 1  # named barrier of the 128 MMA threads (0 is __syncthreads)
+# Columns of the KernelOptions.trace buffer, one row per CTA. gt_*: %globaltimer (ns, one clock for the GPU);
+# clk_*: clock64 of the CTA's SM (cycles; comparable only within a row).
+TRACE_FIELDS = (
+    "gt_start",  # thread 0 at kernel entry
+    "gt_end",  # thread 0 after its last epilogue or fix-up
+    "clk_start",  # thread 0 at kernel entry
+    "clk_first_issue",  # TMA warp: first weight block issued (descriptor fence done)
+    "clk_wait_done",  # TMA warp: griddepcontrol.wait returned (= clk_first_issue's neighbour without PDL)
+    "clk_first_ready",  # thread 0: first stage's bytes have landed
+    "clk_last_release",  # thread 0: last stage of the run consumed (its wgmma done)
+    "clk_end",  # thread 0 after its last epilogue or fix-up
+    "clk_fixup_start",  # thread 0: the last fix-up sum this CTA started (0: none)
+    "fixups",  # tiles this CTA summed as the last arriver
+)
 
 _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 
@@ -110,6 +126,17 @@ class KernelOptions(NamedTuple):
         on every SM (ncu: shared-memory occupancy limit 2), at the cost of a ring half as deep. Measured
         gain (DEFAULT_OPTIONS): after a foreign kernel, not on back-to-back launches of this one; why is
         not established.
+    cluster_split: where a shape allows it (cluster_k_for), split K inside a thread-block cluster instead of
+        stream-K: one cluster of cluster_k CTAs per row tile, each CTA streams 1/cluster_k of the tile's K, and
+        the partials are summed in the first CTA's shared memory (distributed shared memory, one cluster
+        barrier) instead of through global memory. The value is the most CTAs per SM the grid may need (1 or
+        2; 2 needs smem_slots >= 2); 0 keeps stream-K everywhere. A policy: options_for() turns it into
+        cluster_k for one shape.
+    cluster_k: CTAs per cluster (and per row tile) of a cluster-split build, 1..MAX_CLUSTER_K; 0 = stream-K.
+        Static: part of the compiled kernel. Set by options_for(), not by hand.
+    trace: a measurement build. The kernel takes one more tensor, int64 [num_ctas, TRACE_FIELDS], and each CTA
+        writes its timeline there (TRACE_FIELDS names the columns): %globaltimer at its start and end, SM clock
+        (clock64) at each phase. Results are the same; benchmarks/trace_linear.py reads it.
     """
 
     fence_scope: str = "sys"
@@ -117,6 +144,9 @@ class KernelOptions(NamedTuple):
     weight_before_wait: bool = False
     ctas_per_sm: int = 1
     smem_share: int = 1
+    cluster_split: int = 0
+    cluster_k: int = 0
+    trace: bool = False
 
     @property
     def smem_slots(self) -> int:
@@ -132,6 +162,12 @@ class KernelOptions(NamedTuple):
             raise ValueError(f"KernelOptions.ctas_per_sm must be 1 or 2, got {self.ctas_per_sm!r}")
         if self.smem_share not in (1, 2, 3):
             raise ValueError(f"KernelOptions.smem_share must be 1, 2 or 3, got {self.smem_share!r}")
+        if self.cluster_split not in (0, 1, 2) or self.cluster_split > self.smem_slots:
+            raise ValueError(f"KernelOptions.cluster_split must be 0, 1 or 2 and at most smem_slots "
+                             f"({self.smem_slots}), got {self.cluster_split!r}")
+        if not 0 <= self.cluster_k <= MAX_CLUSTER_K or (self.cluster_k and self.ctas_per_sm != 1):
+            raise ValueError(f"KernelOptions.cluster_k must be 0..{MAX_CLUSTER_K} (with ctas_per_sm=1), "
+                             f"got {self.cluster_k!r}")
 
 
 # Measured with benchmarks/sweep_linear.py on the H200 (2026-12-02, docs/linear.md, docs/results/sweep-linear-h200*):
@@ -263,16 +299,46 @@ def m_pad(M: int) -> int:
     return next(p for p in M_PADS if p >= M)
 
 
-def pipeline_stages(m_pad_: int, smem_slots: int = 1) -> int:
+def pipeline_stages(m_pad_: int, smem_slots: int = 1, cluster_k: int = 0) -> int:
     """Stages of the TMA ring that fit in one CTA's share (1 / smem_slots) of an SM's shared memory; a stage
-    is a 128 x 64 weight block and an m_pad x 64 block of x, 2-byte elements."""
+    is a 128 x 64 weight block and an m_pad x 64 block of x, 2-byte elements. A cluster-split build keeps
+    cluster_k - 1 partial tiles (fp32) beside the ring."""
     stage_bytes = (TILE_N + m_pad_) * TILE_K * 2
     cta_bytes = min(SMEM_BYTES, SMEM_PER_SM // smem_slots - SMEM_PER_CTA_SYSTEM)
-    return (cta_bytes - SMEM_RESERVED) // stage_bytes
+    return (cta_bytes - SMEM_RESERVED - _cluster_partial_bytes(m_pad_, cluster_k)) // stage_bytes
+
+
+def _cluster_partial_bytes(m_pad_: int, cluster_k: int) -> int:
+    return max(0, cluster_k - 1) * TILE_N * m_pad_ * 4
+
+
+def cluster_k_for(N: int, K: int, m_pad_: int, sm_count: int, ctas_per_sm: int) -> int:
+    """CTAs per row tile of a cluster-split launch for an N x K weight, or 0 where the shape takes stream-K.
+
+    Every row tile gets one cluster; the whole grid (row tiles x cluster_k CTAs) must be resident at once with
+    at most ctas_per_sm CTAs per SM, so a shape with more row tiles than that takes stream-K. Within that,
+    as many CTAs per tile as fit, at most MAX_CLUSTER_K and one 64-column block each.
+    """
+    tiles, k_blocks = -(-N // TILE_N), -(-K // TILE_K)
+    if m_pad_ not in CLUSTER_M_PADS or tiles > sm_count * ctas_per_sm:
+        return 0
+    return min(MAX_CLUSTER_K, k_blocks, sm_count * ctas_per_sm // tiles)
+
+
+def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int) -> "KernelOptions":
+    """options resolved for one problem shape: cluster_k set from the cluster_split policy (cluster_k_for)."""
+    if not options.cluster_split:
+        return options._replace(cluster_k=0)
+    return options._replace(cluster_k=cluster_k_for(N, K, m_pad(M), sm_count, options.cluster_split))
 
 
 def grid_size(N: int, K: int, sm_count: int, options: "KernelOptions") -> int:
-    """CTAs of one launch: ctas_per_sm per SM (one wave), never more than there are weight blocks."""
+    """CTAs of one launch: stream-K, ctas_per_sm per SM (one wave), never more than there are weight blocks;
+    cluster split (options.cluster_k), cluster_k per row tile."""
+    if options.cluster_k:
+        if options.cluster_k > -(-K // TILE_K):
+            raise ValueError(f"grid_size: cluster_k={options.cluster_k} is more CTAs than K={K} has 64-column blocks")
+        return -(-N // TILE_N) * options.cluster_k
     return min(sm_count * options.ctas_per_sm, _iteration_count(N, K))
 
 
@@ -307,6 +373,9 @@ class WeightStreamingLinear:
         self.options = options
         self.tile_mnk = (TILE_N, m_pad_, TILE_K)
         self.partial_elems = TILE_N * m_pad_  # fp32 values of one partial tile (m_pad per thread)
+        # cluster split: the first CTA of a cluster receives the other cluster_k - 1 partials (fp32); other
+        # builds keep a 16-byte stub (a struct member cannot be empty)
+        self.cluster_elems = (options.cluster_k - 1) * self.partial_elems if options.cluster_k > 1 else 4
 
     @cute.jit
     def __call__(
@@ -320,6 +389,7 @@ class WeightStreamingLinear:
         weight_map: Int64,
         num_ctas: Int32,
         stream: cuda.CUstream,
+        trace: Optional[cute.Tensor] = None,
     ):
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (64, self.m_pad)
@@ -335,17 +405,28 @@ class WeightStreamingLinear:
             load_op, x, cute.slice_(x_smem, (None, None, 0)), (self.m_pad, TILE_K)
         )
 
+        cluster_k = self.options.cluster_k
+
         @cute.struct
         class SharedStorage:
             stage_barriers: cute.struct.MemRange[Int64, self.stages * 2]
             fixup_count: cute.struct.MemRange[Int32, 1]
             w_tiles: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(w_smem)], 1024]
             x_tiles: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(x_smem)], 1024]
+            cluster_partials: cute.struct.Align[cute.struct.MemRange[Float32, self.cluster_elems], 16]
+            cluster_barrier: cute.struct.MemRange[Int64, 1]
 
         self.shared_storage = SharedStorage
-        self.kernel(
-            w_atom, w_coords, x_atom, x_coords, bias, out, partials, arrivals, weight_map, tiled_mma, w_smem, x_smem
-        ).launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.options.pdl)
+        kernel = self.kernel(
+            w_atom, w_coords, x_atom, x_coords, bias, out, partials, arrivals, weight_map, tiled_mma, w_smem, x_smem,
+            trace,
+        )
+        if cutlass.const_expr(cluster_k):
+            row_tiles = cute.ceil_div(weight.shape[0], TILE_N)
+            kernel.launch(grid=[cluster_k, row_tiles, 1], block=[THREADS, 1, 1], cluster=[cluster_k, 1, 1],
+                          stream=stream, use_pdl=self.options.pdl)
+        else:
+            kernel.launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.options.pdl)
 
     @cute.kernel
     def kernel(
@@ -362,11 +443,22 @@ class WeightStreamingLinear:
         tiled_mma: cute.TiledMma,
         w_smem: cute.ComposedLayout,
         x_smem: cute.ComposedLayout,
+        trace: Optional[cute.Tensor],
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        cta, _, _ = cute.arch.block_idx()
+        cta, cluster_tile, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
+        cluster_k = self.options.cluster_k
+        if cutlass.const_expr(cluster_k):
+            rank = cta  # grid x is the CTA's rank in its cluster, grid y the row tile
+            cta = cluster_tile * cluster_k + rank
+        if cutlass.const_expr(self.options.trace):
+            if tidx == 0:
+                trace[cta, 0] = cute.arch.globaltimer()
+                trace[cta, 2] = cute.arch.clock64()
+                trace[cta, 8] = Int64(0)
+                trace[cta, 9] = Int64(0)
 
         if cutlass.const_expr(self.options.pdl):
             cute.arch.griddepcontrol_launch_dependents()
@@ -390,10 +482,25 @@ class WeightStreamingLinear:
         total = cute.ceil_div(w_coords.shape[0], TILE_N) * k_blocks
         run_begin = cta * total // num_ctas
         run_end = (cta + 1) * total // num_ctas
+        if cutlass.const_expr(cluster_k):
+            run_begin = cluster_tile * k_blocks + rank * k_blocks // cluster_k
+            run_end = cluster_tile * k_blocks + (rank + 1) * k_blocks // cluster_k
+        if cutlass.const_expr(cluster_k > 1):
+            # CTA 0's barrier counts the bytes of the other CTAs' partials (cluster_reduce)
+            if rank == 0 and tidx == 0:
+                cute.arch.mbarrier_init(storage.cluster_barrier.data_ptr(), 1)
+                cute.arch.mbarrier_init_fence()
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    storage.cluster_barrier.data_ptr(), (cluster_k - 1) * self.partial_elems * 4
+                )
+            # Every thread arrives once (release): this CTA has started and CTA 0's barrier is set. Only the
+            # senders wait, just before they send, so it costs the start nothing.
+            cute.arch.cluster_arrive()
 
         if warp_idx == PRODUCER_WARP:
             self.load_run(
-                w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks
+                w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
+                trace, cta, tidx,
             )
         if warp_idx < PRODUCER_WARP:
             if cutlass.const_expr(self.options.pdl):
@@ -401,12 +508,19 @@ class WeightStreamingLinear:
             self.mma_run(
                 tiled_mma, w_tiles, x_tiles, loads, bias, out, partials, arrivals,
                 storage.fixup_count.get_tensor(cute.make_layout(1)),
-                cta, num_ctas, tidx, run_begin, run_end, k_blocks, total,
+                storage.cluster_partials.get_tensor(cute.make_layout(self.cluster_elems)),
+                storage.cluster_barrier.data_ptr(),
+                cta, num_ctas, tidx, run_begin, run_end, k_blocks, total, trace,
             )
+            if cutlass.const_expr(self.options.trace):
+                if tidx == 0:
+                    trace[cta, 7] = cute.arch.clock64()
+                    trace[cta, 1] = cute.arch.globaltimer()
 
     @cute.jit
     def load_run(
-        self, w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks
+        self, w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
+        trace, cta, tidx,
     ):
         """Warp 4: TMA-load weight block (tile, kb) and x block kb for every iteration of this CTA's run."""
         # outside the elected copy branches, with the acquire fence
@@ -434,11 +548,17 @@ class WeightStreamingLinear:
                     tma_bar_ptr=loads.producer_get_barrier(state), tma_desc_ptr=weight_map_ptr,
                 )
                 state.advance()
+                if cutlass.const_expr(self.options.trace):
+                    if tidx == PRODUCER_WARP * 32 and state.count == 1:
+                        trace[cta, 3] = cute.arch.clock64()
                 # Branch-free step to the next block: with an `if` here, ptxas predicates the R2UR of row.
                 wrapped = (col + TILE_K) // (k_blocks * TILE_K)
                 col = col + TILE_K - wrapped * (k_blocks * TILE_K)
                 row = row + wrapped * TILE_N
             cute.arch.griddepcontrol_wait()  # x is the previous kernel's output
+            if cutlass.const_expr(self.options.trace):
+                if tidx == PRODUCER_WARP * 32:
+                    trace[cta, 4] = cute.arch.clock64()
             x_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             for _ in cutlass.range(run_begin, first, unroll=1):
                 x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, x_col, self.m_pad)
@@ -450,6 +570,9 @@ class WeightStreamingLinear:
                     x_col = 0
         elif cutlass.const_expr(self.options.pdl):
             cute.arch.griddepcontrol_wait()  # x is the previous kernel's output
+        if cutlass.const_expr(self.options.trace and not self.options.weight_before_wait):
+            if tidx == PRODUCER_WARP * 32:
+                trace[cta, 4] = cute.arch.clock64()
         for _ in cutlass.range(first, run_end, unroll=1):
             w_smem_dst, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
             x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, col, self.m_pad)
@@ -458,6 +581,9 @@ class WeightStreamingLinear:
             cute.copy(w_atom, w_src, w_smem_dst[(None, state.index)], tma_bar_ptr=barrier, tma_desc_ptr=weight_map_ptr)
             cute.copy(x_atom, x_src, x_smem_dst[(None, state.index)], tma_bar_ptr=barrier)
             state.advance()
+            if cutlass.const_expr(self.options.trace and not self.options.weight_before_wait):
+                if tidx == PRODUCER_WARP * 32 and state.count == 1:
+                    trace[cta, 3] = cute.arch.clock64()
             col = col + TILE_K
             if col == k_blocks * TILE_K:
                 col = 0
@@ -472,8 +598,8 @@ class WeightStreamingLinear:
 
     @cute.jit
     def mma_run(
-        self, tiled_mma, w_tiles, x_tiles, loads, bias, out, partials, arrivals, fixup_count,
-        cta, num_ctas, tidx, run_begin, run_end, k_blocks, total,
+        self, tiled_mma, w_tiles, x_tiles, loads, bias, out, partials, arrivals, fixup_count, cluster_partials,
+        cluster_barrier, cta, num_ctas, tidx, run_begin, run_end, k_blocks, total, trace,
     ):
         """Warps 0-3: accumulate each segment (the part of the run inside one row tile), then finish it."""
         thr_mma = tiled_mma.get_slice(tidx)
@@ -494,6 +620,9 @@ class WeightStreamingLinear:
             acc.fill(0.0)
             for _ in cutlass.range(it, seg_end, unroll=1):
                 loads.consumer_wait(state)
+                if cutlass.const_expr(self.options.trace):
+                    if tidx == 0 and state.count == 0:
+                        trace[cta, 5] = cute.arch.clock64()
                 warpgroup.fence()
                 for k_phase in cutlass.range_constexpr(cute.size(w_frag, mode=[2])):
                     cute.gemm(
@@ -505,20 +634,27 @@ class WeightStreamingLinear:
                 warpgroup.wait_group(0)  # the stage is free only once wgmma has read it
                 loads.consumer_release(state)
                 state.advance()
+            if cutlass.const_expr(self.options.trace):
+                if tidx == 0 and seg_end == run_end:
+                    trace[cta, 6] = cute.arch.clock64()
 
-            if it == tile_begin and seg_end == tile_begin + k_blocks:
+            if cutlass.const_expr(self.options.cluster_k > 1):
+                self.cluster_reduce(
+                    acc, tile_sum, acc_coords, tile, bias, out, cluster_partials, cluster_barrier, tidx, trace, cta
+                )
+            elif it == tile_begin and seg_end == tile_begin + k_blocks:
                 self.store_tile(acc, acc_coords, tile, bias, out)
             else:
                 self.finish_partial(
                     acc, tile_sum, acc_coords, tile, seg_end - it, it == run_begin, bias, out, partials,
-                    arrivals, fixup_count, cta, num_ctas, tidx, k_blocks, total,
+                    arrivals, fixup_count, cta, num_ctas, tidx, k_blocks, total, trace,
                 )
             it = seg_end
 
     @cute.jit
     def finish_partial(
         self, acc, tile_sum, acc_coords, tile, blocks, is_first_segment, bias, out, partials, arrivals,
-        fixup_count, cta, num_ctas, tidx, k_blocks, total,
+        fixup_count, cta, num_ctas, tidx, k_blocks, total, trace,
     ):
         """Publish this CTA's partial of a row tile; the CTA that completes the tile sums all and writes y.
 
@@ -541,6 +677,10 @@ class WeightStreamingLinear:
             fixup_count[0] = before + blocks
         cute.arch.barrier(barrier_id=FIXUP_BARRIER, number_of_threads=MMA_THREADS)
         if fixup_count[0] == k_blocks:
+            if cutlass.const_expr(self.options.trace):
+                if tidx == 0:
+                    trace[cta, 8] = cute.arch.clock64()
+                    trace[cta, 9] = trace[cta, 9] + 1
             cute.arch.fence_acq_rel_gpu()  # acquire every other CTA's partial of this tile
             tile_begin = tile * k_blocks
             # CTAs whose runs hold the tile's first and last block: c owns iteration i iff
@@ -570,6 +710,41 @@ class WeightStreamingLinear:
             self.store_tile(tile_sum, acc_coords, tile, bias, out)
             if tidx == 0:
                 arrivals[tile] = Int32(0)  # ready for the next launch or graph replay
+
+    @cute.jit
+    def cluster_reduce(self, acc, tile_sum, acc_coords, tile, bias, out, cluster_partials, cluster_barrier, tidx,
+                       trace, cta):
+        """Cluster split: CTAs 1..cluster_k-1 send their partial into CTA 0's shared memory with st.async, which
+        counts the bytes on CTA 0's barrier; CTA 0 waits for all of them, adds them to its own in rank order
+        (deterministic) and writes y.
+
+        Received partials: [rank - 1][value // 4][thread][value % 4], so each thread sends 16-byte pieces.
+        """
+        rank = cute.arch.block_idx_in_cluster()
+        slot_elems = self.partial_elems
+        if rank != 0:
+            cute.arch.cluster_wait()  # CTA 0 has started and initialised its barrier
+            bits = cute.recast_tensor(acc, Int32)
+            for q in cutlass.range_constexpr(cute.size(acc) // 4):
+                offset = cute.assume((rank - 1) * slot_elems + q * 4 * MMA_THREADS + tidx * 4, divby=4)
+                cute.arch.store_async_dsmem(
+                    cluster_partials.iterator + offset,
+                    (bits[4 * q], bits[4 * q + 1], bits[4 * q + 2], bits[4 * q + 3]),
+                    cluster_barrier, 0,
+                )
+        else:
+            cute.arch.mbarrier_wait(cluster_barrier, 0)
+            if cutlass.const_expr(self.options.trace):
+                if tidx == 0:
+                    trace[cta, 8] = cute.arch.clock64()
+                    trace[cta, 9] = Int64(1)
+            for v in cutlass.range(cute.size(acc), unroll_full=True):
+                tile_sum[v] = acc[v]
+            for r in cutlass.range_constexpr(self.options.cluster_k - 1):
+                for v in cutlass.range_constexpr(cute.size(acc)):
+                    tile_sum[v] = tile_sum[v] + cluster_partials[
+                        r * slot_elems + (v // 4) * 4 * MMA_THREADS + tidx * 4 + v % 4]
+            self.store_tile(tile_sum, acc_coords, tile, bias, out)
 
     @cute.jit
     def store_tile(self, values, acc_coords, tile, bias, out):
@@ -615,13 +790,21 @@ def compile_kernel(
     tensors, num_ctas = grid_size(N, K, sm_count, options); it launches on the current torch stream.
     extra_options go to cute.compile (e.g. "--keep-ptx --dump-dir=DIR" to inspect the code).
     """
-    kernel = WeightStreamingLinear(dtype, m_pad_, has_bias, pipeline_stages(m_pad_, options.smem_slots), options)
+    if options.cluster_k and m_pad_ not in CLUSTER_M_PADS:
+        raise ValueError(f"compile_kernel: a cluster-split build (cluster_k={options.cluster_k}) needs m_pad in "
+                         f"{CLUSTER_M_PADS}, got {m_pad_}")
+    stages = pipeline_stages(m_pad_, options.smem_slots, options.cluster_k)
+    kernel = WeightStreamingLinear(dtype, m_pad_, has_bias, stages, options)
+    # options.trace: one more argument, the int64 [num_ctas, len(TRACE_FIELDS)] timeline
+    trace = (cute.runtime.make_fake_tensor(Int64, (cute.sym_int(), len(TRACE_FIELDS)), stride=(len(TRACE_FIELDS), 1))
+             if options.trace else None)
     return cute.compile(
         kernel,
         *_fake_problem(dtype, has_bias),
         Int64(0),
         Int32(1),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        trace,
         options=f"--gpu-arch sm_90a --enable-tvm-ffi {extra_options}",
     )
 
@@ -674,8 +857,10 @@ def _workspace(device_index: int) -> _Workspace:
 def _launch_config(device_index: int, dtype: torch.dtype, M: int, N: int, K: int, has_bias: bool):
     """(compiled kernel, num_ctas) of one problem shape: compile_kernel's cache key and the grid, worked out
     once per shape rather than on every call."""
-    compiled = compile_kernel(_DTYPES[dtype], m_pad(M), has_bias, options=DEFAULT_OPTIONS)
-    return compiled, grid_size(N, K, _sm_count(device_index), DEFAULT_OPTIONS)
+    sm_count = _sm_count(device_index)
+    options = options_for(DEFAULT_OPTIONS, N, K, M, sm_count)
+    compiled = compile_kernel(_DTYPES[dtype], m_pad(M), has_bias, options=options)
+    return compiled, grid_size(N, K, sm_count, options)
 
 
 def linear_out(

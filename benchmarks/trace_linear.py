@@ -1,0 +1,156 @@
+"""Where the linear kernel's time goes: per-CTA timelines from a trace build (KernelOptions.trace) on the H200.
+
+    timeout 300 python benchmarks/trace_linear.py [--csv PATH]     # < 2 min on an H200
+
+For each case (N x K, M; bf16, no bias) and variant, a CUDA graph of back-to-back calls and one with a small
+elementwise kernel on x before every call ("in situ", as benchmarks/sweep_linear.py), weights rotated past the
+L2, is replayed REPLAYS times (bench_linear.graph_time_us); every call writes its CTAs' timelines into its own
+rows of a trace buffer, read after the last replay. The output of the trace build is checked against the
+float64 reference first (poisoned with NaN before the launch).
+
+Per call, from the CTAs' rows (TRACE_FIELDS in torch_tma/kernels/linear.py), medians over the calls:
+  span      first CTA start -> last CTA end (%globaltimer), the kernel's own wall time
+  gap       previous call's last CTA end -> this call's first CTA start (negative: PDL overlap; in situ it
+            holds the small kernel)
+  skew      last CTA start - first CTA start
+and per CTA (SM clock converted with the clock rate measured from the same rows), median and max over CTAs:
+  issue     start -> first weight block issued by the TMA warp
+  wait      start -> griddepcontrol.wait returned in the TMA warp
+  ready     start -> first stage landed (first bytes)
+  stream    first stage landed -> last stage consumed
+  tail      last stage consumed -> CTA end (fix-up or epilogue)
+  fixup     a last arriver's final fix-up sum start -> CTA end (CTAs that did one)
+cuBLAS's time per call (CUDA events) in the same graphs is printed beside them.
+"""
+
+import argparse
+import csv
+import functools
+import math
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us  # noqa: E402
+
+CASES = [(4096, 4096, 1), (4096, 4096, 16), (10240, 8192, 1), (28672, 4096, 1)]  # (N, K, M)
+CALLS_PER_GRAPH = 24
+SKIP_CALLS = 2  # the graph's first calls follow the previous replay's tail: left out of the medians
+
+
+def variants(linear):
+    shipped = linear.DEFAULT_OPTIONS._replace(trace=True)
+    return {"shipped": shipped, "share1": shipped._replace(smem_share=1),
+            "no-pdl": shipped._replace(pdl=False, weight_before_wait=False),
+            "cluster": shipped._replace(smem_share=2, cluster_split=2),
+            "cluster1": shipped._replace(smem_share=2, cluster_split=1)}
+
+
+def summarize(trace, fields, calls):
+    """Medians over calls of the per-call quantities in the module docstring, from trace [calls, ctas, fields]."""
+    col = {f: trace[..., i].double() for i, f in enumerate(fields)}
+    wall_ns = col["gt_end"] - col["gt_start"]
+    ghz = float(((col["clk_end"] - col["clk_start"]) / wall_ns)[wall_ns > 2000].median())
+    per_call = {"span": [], "gap": [], "skew": []}
+    per_cta = {"issue": [], "wait": [], "ready": [], "stream": [], "tail": [], "fixup": []}
+    for i in range(SKIP_CALLS, calls):
+        start, end = col["gt_start"][i], col["gt_end"][i]
+        per_call["span"].append(float(end.max() - start.min()))
+        per_call["gap"].append(float(start.min() - col["gt_end"][i - 1].max()))
+        per_call["skew"].append(float(start.max() - start.min()))
+        t0 = col["clk_start"][i]
+        phases = {
+            "issue": col["clk_first_issue"][i] - t0,
+            "wait": col["clk_wait_done"][i] - t0,
+            "ready": col["clk_first_ready"][i] - t0,
+            "stream": col["clk_last_release"][i] - col["clk_first_ready"][i],
+            "tail": col["clk_end"][i] - col["clk_last_release"][i],
+        }
+        fixers = col["fixups"][i] > 0
+        if bool(fixers.any()):
+            phases["fixup"] = (col["clk_end"][i] - col["clk_fixup_start"][i])[fixers]
+        for name, cycles in phases.items():
+            ns = cycles / ghz
+            per_cta[name].append((float(ns.median()), float(ns.max())))
+    out = {name: statistics.median(v) / 1e3 for name, v in per_call.items()}
+    for name, v in per_cta.items():
+        if v:
+            out[name + "_p50"] = statistics.median(m for m, _ in v) / 1e3
+            out[name + "_max"] = statistics.median(x for _, x in v) / 1e3
+    out["sm_ghz"] = ghz
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--csv", help="also write one row per (case, variant, mode) here")
+    args = parser.parse_args()
+
+    import cutlass
+    import torch_tma
+    from torch_tma.kernels import linear
+
+    assert torch.cuda.get_device_capability() == (9, 0), "this script is for Hopper (sm_90)"
+    device = torch.device("cuda")
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    cache = torch_tma.default_cache(device)
+    stream = torch.cuda.Stream()
+    fields = linear.TRACE_FIELDS
+    partials = torch.empty(sm_count * 2 * linear.M_PADS[-1] * linear.TILE_N, dtype=torch.float32, device=device)
+    arrivals = torch.zeros(linear.MAX_ROW_TILES, dtype=torch.int32, device=device)
+    rows = []
+    for n, k, m in CASES:
+        copies = max(2, -(-ROTATION_BYTES // (n * k * 2)))
+        weights = [(torch.randn(n, k, device=device) / math.sqrt(k)).to(DTYPE) for _ in range(copies)]
+        box, swizzle = linear.weight_box(n, k, DTYPE), linear.weight_swizzle(DTYPE)
+        maps = [cache.get(w, box, swizzle=swizzle, l2_promotion=linear.DEFAULT_L2_PROMOTION).ptr for w in weights]
+        calls = copies * max(1, CALLS_PER_GRAPH // copies)
+        x = torch.randn(m, k, dtype=DTYPE, device=device)
+        out = torch.empty(m, n, dtype=DTYPE, device=device)
+        feed = functools.partial(torch.Tensor.mul_, x, 1.0)
+        feed_us = graph_time_us([feed] * calls, stream)[1]
+        cublas = [functools.partial(F.linear, x, weights[i % copies]) for i in range(calls)]
+        cublas_us = {"back to back": graph_time_us(cublas, stream)[1],
+                     "in situ": graph_time_us([c for f in cublas for c in (feed, f)], stream)[1] * 2 - feed_us}
+        for name, o in variants(linear).items():
+            o = linear.options_for(o, n, k, m, sm_count)
+            compiled = linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), False, "", o)
+            num_ctas = linear.grid_size(n, k, sm_count, o)
+            trace = torch.zeros(calls, num_ctas, len(fields), dtype=torch.int64, device=device)
+            ours = [functools.partial(compiled, x, weights[i % copies], None, out, partials, arrivals,
+                                      maps[i % copies], num_ctas, trace[i]) for i in range(calls)]
+            out.fill_(math.nan)
+            ours[0]()
+            torch.cuda.synchronize()
+            check_close(out, x, weights[0], f"trace build {name} {n}x{k} M={m}")
+            for mode, graph_calls in (("back to back", ours), ("in situ", [c for f in ours for c in (feed, f)])):
+                us = graph_time_us(graph_calls, stream)[1] * (2 if mode == "in situ" else 1)
+                if mode == "in situ":
+                    us -= feed_us
+                row = {"N": n, "K": k, "M": m, "variant": name, "mode": mode, "us_per_call": us,
+                       "cublas_us": cublas_us[mode], "feed_us": feed_us}
+                row.update(summarize(trace.cpu(), fields, calls))
+                rows.append(row)
+                print(f"{n}x{k} M={m} {name:8s} {mode:12s} {us:6.2f} us (cuBLAS {cublas_us[mode]:6.2f}) | span "
+                      f"{row['span']:5.2f} gap {row['gap']:5.2f} skew {row['skew']:4.2f} | per CTA p50/max: issue "
+                      f"{row['issue_p50']:4.2f}/{row['issue_max']:4.2f} wait {row['wait_p50']:4.2f}/{row['wait_max']:4.2f} ready {row['ready_p50']:4.2f}/"
+                      f"{row['ready_max']:4.2f} stream {row['stream_p50']:5.2f}/{row['stream_max']:5.2f} tail "
+                      f"{row['tail_p50']:4.2f}/{row['tail_max']:4.2f} fixup {row.get('fixup_p50', 0):4.2f}/"
+                      f"{row.get('fixup_max', 0):4.2f} us [SM {row['sm_ghz']:.2f} GHz]", flush=True)
+            check_close(out, x, weights[(calls - 1) % copies], f"trace build {name} {n}x{k} M={m} after replays")
+        del weights
+        torch.cuda.empty_cache()
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            fieldnames = list(dict.fromkeys(key for row in rows for key in row))
+            writer = csv.DictWriter(f, fieldnames=fieldnames)
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
