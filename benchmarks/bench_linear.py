@@ -28,6 +28,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_host import host_us  # noqa: E402
+
 SHAPES = {  # name: (N, K)
     "llama8b.qkv": (6144, 4096),
     "llama8b.o": (4096, 4096),
@@ -126,19 +129,6 @@ class Shape:
         return [functools.partial(F.linear, x, self.weights[i % len(self.weights)]) for i in range(self.calls)]
 
 
-def host_us_per_call(fn, calls=500) -> float:
-    """CPU microseconds to enqueue one call; the GPU stays busy longer than the loop, so this is host cost."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
 def run(shapes, ms, sweep_ms, csv_path):
     import torch_tma
     from torch_tma.kernels import linear
@@ -195,10 +185,11 @@ def run(shapes, ms, sweep_ms, csv_path):
     n, k = SHAPES["llama8b.gate_up"]
     weight = (torch.randn(n, k, device=device) / math.sqrt(k)).to(DTYPE)
     x = torch.randn(1, k, dtype=DTYPE, device=device)
+    # host time per eager call, the GPU kept busy (profile_host.host_us: median and min over rounds), inference mode
     for provider, promotion, fn in (("torch_tma_op", default.name, lambda: torch.ops.tma.linear(x, weight)),
                                     ("cublas", "", lambda: F.linear(x, weight))):
-        us = host_us_per_call(fn)
-        record("host_us", "llama8b.gate_up", n, k, 1, provider, promotion, (us, us, us))
+        p50, low = host_us(fn, torch.inference_mode)
+        record("host_us", "llama8b.gate_up", n, k, 1, provider, promotion, (low, p50, p50))
     os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)

@@ -13,6 +13,8 @@ Per call, from the CTAs' rows (TRACE_FIELDS in torch_tma/kernels/linear.py), med
   gap       previous call's last CTA end -> this call's first CTA start (negative: PDL overlap; in situ it
             holds the small kernel)
   skew      last CTA start - first CTA start
+  early     CTAs that started before the previous call's last CTA ended
+  sms       SMs the call's CTAs ran on; stacked: SMs that ran two or more of them
 and per CTA (SM clock converted with the clock rate measured from the same rows), median and max over CTAs:
   issue     start -> first weight block issued by the TMA warp
   wait      start -> griddepcontrol.wait returned in the TMA warp
@@ -37,15 +39,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us  # noqa: E402
 
-CASES = [(4096, 4096, 1), (4096, 4096, 16), (10240, 8192, 1), (28672, 4096, 1)]  # (N, K, M)
+CASES = [(4096, 4096, 1), (4096, 4096, 16), (6144, 4096, 1), (4096, 14336, 1), (10240, 8192, 1), (28672, 4096, 1)]
 CALLS_PER_GRAPH = 24
 SKIP_CALLS = 2  # the graph's first calls follow the previous replay's tail: left out of the medians
 
 
 def variants(linear):
     shipped = linear.DEFAULT_OPTIONS._replace(trace=True)
-    return {"shipped": shipped, "share1": shipped._replace(smem_share=1),
-            "no-pdl": shipped._replace(pdl=False, weight_before_wait=False),
+    return {"shipped": shipped, "no-pdl": shipped._replace(pdl=False, weight_before_wait=False),
             "cluster": shipped._replace(smem_share=2, cluster_split=2),
             "cluster1": shipped._replace(smem_share=2, cluster_split=1)}
 
@@ -55,13 +56,18 @@ def summarize(trace, fields, calls):
     col = {f: trace[..., i].double() for i, f in enumerate(fields)}
     wall_ns = col["gt_end"] - col["gt_start"]
     ghz = float(((col["clk_end"] - col["clk_start"]) / wall_ns)[wall_ns > 2000].median())
-    per_call = {"span": [], "gap": [], "skew": []}
+    per_call = {"span": [], "gap": [], "skew": [], "early": [], "sms": [], "stacked": []}
     per_cta = {"issue": [], "wait": [], "ready": [], "stream": [], "tail": [], "fixup": []}
     for i in range(SKIP_CALLS, calls):
         start, end = col["gt_start"][i], col["gt_end"][i]
         per_call["span"].append(float(end.max() - start.min()))
         per_call["gap"].append(float(start.min() - col["gt_end"][i - 1].max()))
         per_call["skew"].append(float(start.max() - start.min()))
+        # CTAs that started before the previous call's last CTA ended (PDL overlap), SMs used, SMs with 2+ CTAs
+        per_call["early"].append(float((start < col["gt_end"][i - 1].max()).sum()))
+        sms = torch.bincount(trace[i, :, fields.index("sm")])
+        per_call["sms"].append(float((sms > 0).sum()))
+        per_call["stacked"].append(float((sms > 1).sum()))
         t0 = col["clk_start"][i]
         phases = {
             "issue": col["clk_first_issue"][i] - t0,
@@ -76,7 +82,7 @@ def summarize(trace, fields, calls):
         for name, cycles in phases.items():
             ns = cycles / ghz
             per_cta[name].append((float(ns.median()), float(ns.max())))
-    out = {name: statistics.median(v) / 1e3 for name, v in per_call.items()}
+    out = {name: statistics.median(v) / (1e3 if name in ("span", "gap", "skew") else 1) for name, v in per_call.items()}
     for name, v in per_cta.items():
         if v:
             out[name + "_p50"] = statistics.median(m for m, _ in v) / 1e3
@@ -136,7 +142,8 @@ def main():
                 row.update(summarize(trace.cpu(), fields, calls))
                 rows.append(row)
                 print(f"{n}x{k} M={m} {name:8s} {mode:12s} {us:6.2f} us (cuBLAS {cublas_us[mode]:6.2f}) | span "
-                      f"{row['span']:5.2f} gap {row['gap']:5.2f} skew {row['skew']:4.2f} | per CTA p50/max: issue "
+                      f"{row['span']:5.2f} gap {row['gap']:5.2f} skew {row['skew']:4.2f} early {row['early']:3.0f} SMs "
+                      f"{row['sms']:3.0f} stacked {row['stacked']:3.0f} | per CTA p50/max: issue "
                       f"{row['issue_p50']:4.2f}/{row['issue_max']:4.2f} wait {row['wait_p50']:4.2f}/{row['wait_max']:4.2f} ready {row['ready_p50']:4.2f}/"
                       f"{row['ready_max']:4.2f} stream {row['stream_p50']:5.2f}/{row['stream_max']:5.2f} tail "
                       f"{row['tail_p50']:4.2f}/{row['tail_max']:4.2f} fixup {row.get('fixup_p50', 0):4.2f}/"

@@ -85,7 +85,8 @@ TRACE_FIELDS = (
     "clk_last_release",  # thread 0: last stage of the run consumed (its wgmma done)
     "clk_end",  # thread 0 after its last epilogue or fix-up
     "clk_fixup_start",  # thread 0: the last fix-up sum this CTA started (0: none)
-    "fixups",  # tiles this CTA summed as the last arriver
+    "fixups",  # tiles this CTA summed as the last arriver (cluster split: 1 in a cluster's CTA 0)
+    "sm",  # %smid of the SM the CTA ran on
 )
 
 _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
@@ -459,6 +460,7 @@ class WeightStreamingLinear:
                 trace[cta, 2] = cute.arch.clock64()
                 trace[cta, 8] = Int64(0)
                 trace[cta, 9] = Int64(0)
+                trace[cta, 10] = Int64(cute.arch.smid())
 
         if cutlass.const_expr(self.options.pdl):
             cute.arch.griddepcontrol_launch_dependents()
