@@ -33,25 +33,24 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us  # noqa: E402
+from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us, in_situ_time_us  # noqa: E402
 
 SHAPES = [(4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096), (10240, 8192)]  # (N, K)
 MS = (1, 16, 32, 64)
-IN_SITU = ("shipped", "share1", "no-pdl", "cluster", "cluster1")
+IN_SITU = ("shipped", "stream-k", "no-pdl", "cluster2")
 CALLS_PER_GRAPH = 40
 
 
 def variants(linear):
-    """name -> KernelOptions; "shipped" is linear.DEFAULT_OPTIONS, the others differ from it as named."""
+    """name -> KernelOptions; "shipped" is linear.DEFAULT_OPTIONS, the others differ from it as named. Each is
+    resolved per shape by linear.options_for (cluster split or stream-K)."""
     shipped = linear.DEFAULT_OPTIONS
     return {
         "shipped": shipped,
+        "stream-k": shipped._replace(cluster_split=0),  # the default before the cluster split
         "no-pdl": shipped._replace(pdl=False, weight_before_wait=False),
-        "share1": shipped._replace(smem_share=1),
-        # split K inside a cluster per row tile where the shape allows (M <= 16), stream-K elsewhere; grid up to
-        # 2 CTAs per SM ("cluster") or 1 ("cluster1")
-        "cluster": shipped._replace(smem_share=2, cluster_split=2),
-        "cluster1": shipped._replace(smem_share=2, cluster_split=1),
+        # cluster split with up to two CTAs of the launch per SM (more CTAs per row tile)
+        "cluster2": shipped._replace(cluster_split=2),
     }
 
 
@@ -95,14 +94,11 @@ def main():
         for m in MS:
             x = torch.randn(m, k, dtype=DTYPE, device=device)
             out = torch.empty(m, n, dtype=DTYPE, device=device)
-            feed = functools.partial(torch.Tensor.mul_, x, 1.0)  # the small kernel of the in-situ runs
-            feed_us = graph_time_us([feed] * calls_per_graph, stream)[1]
 
             def timed(key, calls):
                 results[key] = graph_time_us(calls, stream)[1]
                 if key[0] in IN_SITU or key[0] == "cublas":
-                    paired = [c for call in calls for c in (feed, call)]
-                    in_situ[key] = graph_time_us(paired, stream)[1] * 2 - feed_us
+                    in_situ[key] = in_situ_time_us(calls, x, stream)[1]
 
             for name, o in table.items():
                 o = linear.options_for(o, n, k, m, sm_count)

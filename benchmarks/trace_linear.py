@@ -46,9 +46,9 @@ SKIP_CALLS = 2  # the graph's first calls follow the previous replay's tail: lef
 
 def variants(linear):
     shipped = linear.DEFAULT_OPTIONS._replace(trace=True)
-    return {"shipped": shipped, "no-pdl": shipped._replace(pdl=False, weight_before_wait=False),
-            "cluster": shipped._replace(smem_share=2, cluster_split=2),
-            "cluster1": shipped._replace(smem_share=2, cluster_split=1)}
+    return {"shipped": shipped, "stream-k": shipped._replace(cluster_split=0),
+            "stream-k-no-pdl": shipped._replace(cluster_split=0, pdl=False, weight_before_wait=False),
+            "cluster2": shipped._replace(cluster_split=2)}
 
 
 def summarize(trace, fields, calls):

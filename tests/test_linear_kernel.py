@@ -55,9 +55,11 @@ OPTION_VARIANTS = [
     linear.KernelOptions(fence_scope="gpu", pdl=True, weight_before_wait=True, smem_share=3),
     linear.KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=2),
     linear.KernelOptions(fence_scope="gpu", smem_share=2, cluster_split=1),
+    linear.KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
+                         early_trigger=False),
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
-              f"-cluster{o.cluster_split}" for o in OPTION_VARIANTS]
+              f"-cluster{o.cluster_split}-early{int(o.early_trigger)}" for o in OPTION_VARIANTS]
 
 
 def _ptx_and_cubin(dtype, m_pad, has_bias, tmp_path, options=linear.DEFAULT_OPTIONS):
@@ -129,7 +131,7 @@ def test_kernel_options_compile(options, tmp_path):
     loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\S* \[[^\]]+\], \[(%rd\d+), \{", ptx)
     sites = 4 if options.weight_before_wait else 2
     assert len(loads) == sites and loads.count(fenced) == sites // 2, (fenced, loads)
-    assert ptx.count("griddepcontrol.launch_dependents;") == int(options.pdl)
+    assert ptx.count("griddepcontrol.launch_dependents;") == int(options.pdl and options.early_trigger)
     assert (ptx.count("griddepcontrol.wait;") > 0) == options.pdl
     nvdisasm = _nvdisasm()
     if nvdisasm is not None:
@@ -213,6 +215,8 @@ def test_cluster_k_for_policy():
     assert linear.cluster_k_for(10240, 8192, 8, sms, 2) == 3  # 80 x 3 = 240
     assert linear.cluster_k_for(28672, 4096, 8, sms, 2) == 1  # 224 row tiles, one CTA each
     assert linear.cluster_k_for(28672, 4096, 8, sms, 1) == 0  # 224 > 132: stream-K
+    assert linear.cluster_k_for(28672, 4096, 8, sms, 1, 2) == 1  # ... unless two CTAs fit per SM
+    assert linear.cluster_k_for(10240, 8192, 8, sms, 1) == 1  # 80 row tiles: 80 CTAs, no cluster
     assert linear.cluster_k_for(57344, 8192, 8, sms, 2) == 0  # 448 > 264: stream-K
     assert linear.cluster_k_for(4096, 4096, 32, sms, 2) == 0  # m_pad 32: stream-K
     assert linear.cluster_k_for(1000, 72, 8, sms, 2) == 2  # K = 72: two 64-column blocks

@@ -117,6 +117,8 @@ class KernelOptions(NamedTuple):
         takes an SM this grid has left), and nothing reads x or writes out, partials or arrivals before
         griddepcontrol.wait, so barrier init, the descriptor fence and (below) weight loads overlap the
         previous kernel's tail.
+    early_trigger: with pdl, trigger the dependent launch as each CTA starts (above); False leaves the trigger to
+        the CTAs' exit, so the next launch is staged but none of its CTAs shares an SM with this one.
     weight_before_wait: with pdl, the TMA warp fills the ring with weight blocks before
         griddepcontrol.wait and adds the x blocks after it. Valid only when the kernel just before this
         one in the stream does not write the weight (decode: weights are constant).
@@ -145,6 +147,7 @@ class KernelOptions(NamedTuple):
     weight_before_wait: bool = False
     ctas_per_sm: int = 1
     smem_share: int = 1
+    early_trigger: bool = True
     cluster_split: int = 0
     cluster_k: int = 0
     trace: bool = False
@@ -179,7 +182,12 @@ class KernelOptions(NamedTuple):
 # (smem_share=2) was faster than the full ring on all 20 cells in each of two runs (4096x4096 M=1: 13.12 vs
 # 14.18 us; geomean 0.897x vs 0.855x of cuBLAS) and at most 2.6 % slower on back-to-back calls (geomean 0.973x
 # vs 0.986x). A third of it, and two CTAs per SM of one launch, were slower in both.
-DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2)
+# Third sweep (docs/results/sweep-linear-h200-run3.*): at M <= 16, split-K inside a cluster per row tile
+# (cluster_split=1, trigger at exit) instead of stream-K was faster than stream-K in situ on all 10 cells (4096x4096
+# M=1: 11.12 vs 13.31 us, cuBLAS 12.36) and back to back on all 10 (10.95 vs 11.42 us): the per-CTA timelines
+# (benchmarks/trace_linear.py) put stream-K's fix-up at 1.0 us for every CTA plus 1.5 us for the last arriver, the
+# cluster's at 0.16 us.
+DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1)
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -313,24 +321,36 @@ def _cluster_partial_bytes(m_pad_: int, cluster_k: int) -> int:
     return max(0, cluster_k - 1) * TILE_N * m_pad_ * 4
 
 
-def cluster_k_for(N: int, K: int, m_pad_: int, sm_count: int, ctas_per_sm: int) -> int:
+def cluster_k_for(N: int, K: int, m_pad_: int, sm_count: int, ctas_per_sm: int, smem_slots: int = 0) -> int:
     """CTAs per row tile of a cluster-split launch for an N x K weight, or 0 where the shape takes stream-K.
 
-    Every row tile gets one cluster; the whole grid (row tiles x cluster_k CTAs) must be resident at once with
-    at most ctas_per_sm CTAs per SM, so a shape with more row tiles than that takes stream-K. Within that,
-    as many CTAs per tile as fit, at most MAX_CLUSTER_K and one 64-column block each.
+    Every row tile gets one cluster, as many CTAs as ctas_per_sm per SM allows (at most MAX_CLUSTER_K, one 64-column
+    block each). With more row tiles than that, one CTA per row tile (no cluster) while the grid fits with
+    smem_slots (default ctas_per_sm) CTAs per SM, the whole grid resident at once; stream-K beyond.
     """
     tiles, k_blocks = -(-N // TILE_N), -(-K // TILE_K)
-    if m_pad_ not in CLUSTER_M_PADS or tiles > sm_count * ctas_per_sm:
+    if m_pad_ not in CLUSTER_M_PADS or tiles > sm_count * max(ctas_per_sm, smem_slots):
         return 0
+    if tiles > sm_count * ctas_per_sm:
+        return 1
     return min(MAX_CLUSTER_K, k_blocks, sm_count * ctas_per_sm // tiles)
 
 
 def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int) -> "KernelOptions":
-    """options resolved for one problem shape: cluster_k set from the cluster_split policy (cluster_k_for)."""
+    """options resolved for one problem shape: cluster_k set from the cluster_split policy (cluster_k_for), and a
+    cluster-split build never triggers its dependents early.
+
+    Why not early: with the trigger at CTA start, the next launch's CTAs take the second slot of SMs this launch
+    runs on, and cluster placement then piles two CTAs of one launch on many SMs (benchmarks/trace_linear.py on
+    the H200: 4096x14336 back to back ran its 128 CTAs on 91 SMs, 38.7 us against 30.4 us with the trigger at
+    exit; docs/linear.md). Stream-K launches keep it: they need the overlap to hide their fix-up.
+    """
     if not options.cluster_split:
         return options._replace(cluster_k=0)
-    return options._replace(cluster_k=cluster_k_for(N, K, m_pad(M), sm_count, options.cluster_split))
+    cluster_k = cluster_k_for(N, K, m_pad(M), sm_count, options.cluster_split, options.smem_slots)
+    if cluster_k:
+        return options._replace(cluster_k=cluster_k, early_trigger=False)
+    return options._replace(cluster_k=0)
 
 
 def grid_size(N: int, K: int, sm_count: int, options: "KernelOptions") -> int:
@@ -462,7 +482,7 @@ class WeightStreamingLinear:
                 trace[cta, 9] = Int64(0)
                 trace[cta, 10] = Int64(cute.arch.smid())
 
-        if cutlass.const_expr(self.options.pdl):
+        if cutlass.const_expr(self.options.pdl and self.options.early_trigger):
             cute.arch.griddepcontrol_launch_dependents()
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(w_smem, (None, None, 0))) + cute.size_in_bytes(
