@@ -5,23 +5,28 @@ at most 512 KiB of x and y. The kernel exists to read W at the H200's streaming 
 shared/reference/h200-baseline.md) through a device-resident descriptor from torch_tma's cache, with
 the L2 promotion the caller picked, where cuBLAS leaves 20-40 % on the table at 32-120 MB weights.
 
-How (one CTA per SM, 160 threads):
+How (160 threads per CTA):
 - Swapped operands. The wgmma A operand is a 128-row tile of W (two m64 instructions), B is x padded
   to m_pad in {8, 16, 32, 64} rows, so D = W x^T is a 128 x m_pad tile of y^T in registers. TMA
   zero-fills x rows >= M and every row or column past N and K, so ragged edges cost no code.
-- Stream-K. The (N / 128) x (K / 64) grid of 16 KiB weight blocks is cut into num_ctas equal
-  contiguous runs, one per SM, whatever the shape: no wave quantisation and no idle SMs on
-  4096x4096 (32 row tiles for 132 SMs). A run covers the tail of one row tile, whole tiles, and
-  the head of another.
-- Split-K fix-up without a second pass. A CTA that covered a whole row tile writes y directly. One
-  that covered part of a tile writes its fp32 partial to its own workspace slot and adds its block
-  count to the tile's arrival counter; the CTA that completes the count sums every partial of the
-  tile in CTA order (deterministic), adds the bias, writes y and resets the counter to zero, so the
-  next launch, and every CUDA-graph replay, starts from zeros. Nothing ever waits on another CTA.
+- Two ways to cut the work (KernelOptions.cluster_split; options_for() picks per shape):
+  * Cluster split (M <= 16 where the grid fits: cluster_k_for). One thread-block cluster per 128-row tile,
+    cluster_k CTAs (up to 4, one CTA per SM) each stream an equal share of the tile's K. CTAs 1.. send their
+    fp32 partial into CTA 0's shared memory with st.async, counted in bytes on CTA 0's mbarrier; CTA 0 adds
+    them in rank order (deterministic), adds the bias and writes y. No global workspace, no atomics: the
+    fix-up costs ~0.16 us after the last block (benchmarks/trace_linear.py) instead of ~2.5 us.
+  * Stream-K (everything else). The (N / 128) x (K / 64) grid of 16 KiB weight blocks is cut into num_ctas
+    equal contiguous runs, one per SM, whatever the shape. A CTA that covered a whole row tile writes y
+    directly; one that covered part of a tile writes its fp32 partial to its own workspace slot and adds its
+    block count to the tile's arrival counter; the CTA that completes the count sums every partial of the
+    tile in CTA order (deterministic), adds the bias, writes y and resets the counter to zero, so the next
+    launch, and every CUDA-graph replay, starts from zeros. Nothing ever waits on another CTA.
 - Warp 4 only issues TMA loads (W through our descriptor via tma_desc_ptr=, x through the atom's own
   descriptor) into a ring of as many stages as half an SM's shared memory holds (KernelOptions.smem_share=2,
   chosen by measurement: see DEFAULT_OPTIONS); warps 0-3 run wgmma, release each stage, and do the fix-up
   and epilogue, so loads keep flowing while a tile is written out.
+- Programmatic dependent launch: weight blocks are loaded before griddepcontrol.wait, x and every output
+  after it, so the start overlaps the previous kernel when that one lets it.
 
 Host path per call: validate (unsupported_reason) -> plan (cached per dtype, m_pad, bias) -> compiled
 kernel (cached, one per static configuration, TVM-FFI) -> launch on the current torch stream.
@@ -131,10 +136,9 @@ class KernelOptions(NamedTuple):
         not established.
     cluster_split: where a shape allows it (cluster_k_for), split K inside a thread-block cluster instead of
         stream-K: one cluster of cluster_k CTAs per row tile, each CTA streams 1/cluster_k of the tile's K, and
-        the partials are summed in the first CTA's shared memory (distributed shared memory, one cluster
-        barrier) instead of through global memory. The value is the most CTAs per SM the grid may need (1 or
-        2; 2 needs smem_slots >= 2); 0 keeps stream-K everywhere. A policy: options_for() turns it into
-        cluster_k for one shape.
+        the partials are summed in the first CTA's shared memory (distributed shared memory) instead of through
+        global memory. The value is the CTAs per SM the clusters may take (1 or 2; 2 needs smem_slots >= 2);
+        0 keeps stream-K everywhere. A policy: options_for() turns it into cluster_k for one shape.
     cluster_k: CTAs per cluster (and per row tile) of a cluster-split build, 1..MAX_CLUSTER_K; 0 = stream-K.
         Static: part of the compiled kernel. Set by options_for(), not by hand.
     trace: a measurement build. The kernel takes one more tensor, int64 [num_ctas, TRACE_FIELDS], and each CTA
