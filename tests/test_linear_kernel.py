@@ -57,9 +57,12 @@ OPTION_VARIANTS = [
     linear.KernelOptions(fence_scope="gpu", smem_share=2, cluster_split=1),
     linear.KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                          early_trigger=False),
+    linear.KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
+                         early_trigger=False, wgmma_in_flight=2),
+    linear.KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, wgmma_in_flight=2),
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
-              f"-cluster{o.cluster_split}-early{int(o.early_trigger)}" for o in OPTION_VARIANTS]
+              f"-cluster{o.cluster_split}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}" for o in OPTION_VARIANTS]
 
 
 def _ptx_and_cubin(dtype, m_pad, has_bias, tmp_path, options=linear.DEFAULT_OPTIONS):
@@ -154,7 +157,10 @@ def test_pipeline_fits_shared_memory(m_pad, slots):
 
 
 STORAGE_CASES = [(share, m_pad, cluster_k) for share in (1, 2, 3) for m_pad in linear.M_PADS
-                 for cluster_k in ((0, 2, 3, 4) if m_pad in linear.CLUSTER_M_PADS and share > 1 else (0,))]
+                 for cluster_k in (0, 2, 3, 4, 5, 8) if not cluster_k or linear._fits_cluster(m_pad, cluster_k, share)]
+# (m_pad, cluster_k) of every cluster build the policy can pick with two CTA shares per SM (DEFAULT_OPTIONS)
+CLUSTER_BUILDS = [(m_pad, cluster_k) for m_pad in linear.M_PADS for cluster_k in range(2, linear.MAX_CLUSTER_K + 1)
+                  if linear._fits_cluster(m_pad, cluster_k, 2)]
 
 
 @pytest.mark.parametrize("share,m_pad,cluster_k", STORAGE_CASES,
@@ -182,53 +188,73 @@ def test_kernel_options_check():
         linear.KernelOptions(ctas_per_sm=3).check()
     with pytest.raises(ValueError, match="smem_share"):
         linear.KernelOptions(smem_share=4).check()
+    with pytest.raises(ValueError, match="wgmma_in_flight"):
+        linear.KernelOptions(wgmma_in_flight=3).check()
     assert linear.KernelOptions(ctas_per_sm=2).smem_slots == 2
     assert linear.KernelOptions(smem_share=3).smem_slots == 3
     with pytest.raises(ValueError, match="scope"):
         tma_cute.tma_desc_ptr(0, scope="cta")
 
 
-@pytest.mark.parametrize("m_pad", linear.CLUSTER_M_PADS)
-@pytest.mark.parametrize("cluster_k", [2, 3, 4])
+@pytest.mark.parametrize("m_pad,cluster_k", CLUSTER_BUILDS, ids=[f"m{m}-cluster{c}" for m, c in CLUSTER_BUILDS])
 def test_cluster_split_compiles(m_pad, cluster_k, tmp_path):
     """A cluster-split build sends its partial to CTA 0 with st.async (m_pad / 4 16-byte pieces per thread) counted
     on CTA 0's barrier, waits on the cluster barrier only before sending, and uses no global atomics (no split-K
-    counters); its ring and received partials fit the CTA's share of shared memory."""
+    counters); its ring and received partials fit the CTA's share of shared memory. Partials above
+    OWN_PARTIAL_BYTES land in CTA 0's ring: there CTA 0 also waits on the cluster barrier and then tells each
+    sender, with a remote mbarrier arrive released at cluster scope, that its ring is drained."""
     options = linear.DEFAULT_OPTIONS._replace(cluster_split=2, cluster_k=cluster_k)
     ptx, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, tmp_path, options)
     sends = re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32", ptx)
     assert len(sends) == m_pad // 4, sends
-    assert ptx.count("barrier.cluster.arrive") == 1 and ptx.count("barrier.cluster.wait") == 1
+    in_ring = linear.partials_in_ring(m_pad, cluster_k)
+    assert ptx.count("barrier.cluster.arrive") == 1 and ptx.count("barrier.cluster.wait") == 1 + in_ring
+    drained = re.findall(r"mbarrier\.arrive\.release\.cluster\.shared::cluster\.b64", ptx)
+    assert len(drained) == in_ring and ("fence.proxy.async.shared::cta" in ptx) == in_ring
     assert "atom.global" not in ptx and "red.global" not in ptx
     stages = linear.pipeline_stages(m_pad, options.smem_slots, cluster_k)
-    per_cta = (stages * (linear.TILE_N + m_pad) * linear.TILE_K * 2 + linear.SMEM_RESERVED
-               + (cluster_k - 1) * linear.TILE_N * m_pad * 4)
+    received = (cluster_k - 1) * linear.TILE_N * m_pad * 4
+    if in_ring:
+        assert received > linear.OWN_PARTIAL_BYTES and received <= stages * linear.TILE_N * linear.TILE_K * 2
+        received = 0
+    per_cta = stages * (linear.TILE_N + m_pad) * linear.TILE_K * 2 + linear.SMEM_RESERVED + received
     assert stages >= 2 and options.smem_slots * (per_cta + linear.SMEM_PER_CTA_SYSTEM) <= linear.SMEM_PER_SM
 
 
 def test_cluster_k_for_policy():
-    """One cluster per row tile, the whole grid resident at once; stream-K where that cannot be, or for m_pad > 16."""
+    """One cluster per row tile, the whole grid resident at once, as large as the received partials fit; stream-K
+    where that cannot be."""
     sms = 132
     assert linear.cluster_k_for(4096, 4096, 8, sms, 1) == 4  # 32 row tiles x 4 = 128 CTAs
     assert linear.cluster_k_for(6144, 4096, 16, sms, 1) == 2  # 48 x 2 = 96 (x 3 = 144 > 132)
-    assert linear.cluster_k_for(6144, 4096, 16, sms, 2) == 4  # 48 x 4 = 192 <= 264
+    assert linear.cluster_k_for(6144, 4096, 16, sms, 2) == 5  # 48 x 5 = 240 <= 264
     assert linear.cluster_k_for(10240, 8192, 8, sms, 2) == 3  # 80 x 3 = 240
     assert linear.cluster_k_for(28672, 4096, 8, sms, 2) == 1  # 224 row tiles, one CTA each
     assert linear.cluster_k_for(28672, 4096, 8, sms, 1) == 0  # 224 > 132: stream-K
     assert linear.cluster_k_for(28672, 4096, 8, sms, 1, 2) == 1  # ... unless two CTAs fit per SM
     assert linear.cluster_k_for(10240, 8192, 8, sms, 1) == 1  # 80 row tiles: 80 CTAs, no cluster
     assert linear.cluster_k_for(57344, 8192, 8, sms, 2) == 0  # 448 > 264: stream-K
-    assert linear.cluster_k_for(4096, 4096, 32, sms, 2) == 0  # m_pad 32: stream-K
+    assert linear.cluster_k_for(1024, 4096, 8, sms, 1, 2) == 8  # 8 row tiles x 8 (the largest portable cluster)
+    assert linear.cluster_k_for(1024, 4096, 8, sms, 1, 2, max_k=4) == 4
+    assert linear.cluster_k_for(4096, 4096, 32, sms, 1, 2) == 4  # 3 x 16 KiB of partials in CTA 0's 80 KiB ring
+    assert linear.cluster_k_for(4096, 4096, 64, sms, 1, 2) == 3  # 4 x 24 KiB stages: 2 x 32 KiB fit, 3 do not
+    assert linear.cluster_k_for(4096, 4096, 64, sms, 1, 1) == 4  # the whole SM: 9 stages
+    assert linear.cluster_k_for(4096, 4096, 32, sms, 1, 2, max_m_pad=16) == 0  # stream-K above max_m_pad
+    assert linear.cluster_k_for(1024, 4096, 32, sms, 2) == 6  # 264 // 8 = 33, capped to 8; 5 x 16 KiB fit the ring
     assert linear.cluster_k_for(1000, 72, 8, sms, 2) == 2  # K = 72: two 64-column blocks
-    shaped = linear.options_for(linear.KernelOptions(smem_share=2, cluster_split=2), 4096, 4096, 3, sms)
+    shaped = linear.options_for(linear.KernelOptions(smem_share=2, cluster_split=1), 4096, 4096, 3, sms)
     assert shaped.cluster_k == 4 and linear.grid_size(4096, 4096, sms, shaped) == 128
     assert linear.options_for(linear.KernelOptions(), 4096, 4096, 3, sms).cluster_k == 0
     with pytest.raises(ValueError, match="cluster_k"):
         linear.grid_size(1000, 72, sms, shaped)
     with pytest.raises(ValueError, match="cluster_split"):
         linear.KernelOptions(cluster_split=2).check()  # two CTAs per SM need half the shared memory each
-    with pytest.raises(ValueError, match="m_pad"):
-        linear.compile_kernel(DSL_DTYPES[torch.bfloat16], 32, False, "", shaped)
+    with pytest.raises(ValueError, match="do not fit"):
+        linear.compile_kernel(DSL_DTYPES[torch.bfloat16], 64, False, "", shaped)  # 3 x 32 KiB > the 64 KiB ring
+    with pytest.raises(ValueError, match="cluster_max_k"):
+        linear.KernelOptions(cluster_max_k=9).check()
+    with pytest.raises(ValueError, match="cluster_max_m_pad"):
+        linear.KernelOptions(cluster_max_m_pad=12).check()
 
 
 # ---- CPU: the descriptor contract with the op --------------------------------------------------------
@@ -369,15 +395,18 @@ def test_every_l2_promotion_same_bits():
 
 
 @on_gpu
-@pytest.mark.parametrize("cluster_k", [1, 2, 3, 4])
+@pytest.mark.parametrize("cluster_k", range(1, linear.MAX_CLUSTER_K + 1), ids=lambda c: f"k{c}")
 def test_cluster_split_numerics(cluster_k):
-    """Every cluster size on benchmark and ragged shapes, every M of both cluster m_pads, with and without bias:
-    each output element matches the float64 reference (NaN-poisoned before the launch)."""
+    """Every cluster size on benchmark and ragged shapes, M around every m_pad whose partials fit (in a buffer of
+    their own or in CTA 0's ring), with and without bias: each output element matches the float64 reference
+    (NaN-poisoned before the launch)."""
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     options = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_k=cluster_k)
     workspace = linear._workspace(0)
-    for n, k in [(4096, 4096), (6144, 4096), (1000, 1000), (129, 520), (8, 256)]:
-        for m in (1, 2, 7, 8, 9, 16):
+    for n, k in [(4096, 4096), (1024, 4096), (6144, 4096), (1000, 1000), (129, 520), (8, 256)]:
+        for m in (1, 2, 7, 8, 9, 16, 17, 32, 33, 64):
+            if cluster_k > -(-k // linear.TILE_K) or not linear._fits_cluster(linear.m_pad(m), cluster_k, 2):
+                continue
             bias = m % 2 == 1
             x, weight, b = _random(m, n, k, torch.bfloat16, bias)
             out = torch.full((m, n), math.nan, dtype=torch.bfloat16, device="cuda")

@@ -10,12 +10,14 @@ How (160 threads per CTA):
   to m_pad in {8, 16, 32, 64} rows, so D = W x^T is a 128 x m_pad tile of y^T in registers. TMA
   zero-fills x rows >= M and every row or column past N and K, so ragged edges cost no code.
 - Two ways to cut the work (KernelOptions.cluster_split; options_for() picks per shape):
-  * Cluster split (M <= 16 where the grid fits: cluster_k_for). One thread-block cluster per 128-row tile,
-    cluster_k CTAs (up to 4, one CTA per SM) each stream an equal share of the tile's K. CTAs 1.. send their
-    fp32 partial into CTA 0's shared memory with st.async, counted in bytes on CTA 0's mbarrier; CTA 0 adds
-    them in rank order (deterministic), adds the bias and writes y. No global workspace, no atomics: the
-    fix-up costs ~0.16 us after the last block (benchmarks/trace_linear.py) instead of ~2.5 us.
-  * Stream-K (everything else). The (N / 128) x (K / 64) grid of 16 KiB weight blocks is cut into num_ctas
+  * Cluster split (wherever the grid fits: cluster_k_for). One thread-block cluster per 128-row tile,
+    cluster_k CTAs (up to 8, one CTA per SM) each stream an equal share of the tile's K. CTAs 1.. send their
+    fp32 partial into CTA 0's shared memory with st.async, counted in bytes on CTA 0's mbarrier: into a buffer
+    of its own when small, else into CTA 0's weight ring once CTA 0 has said (remote mbarrier arrive) that it
+    consumed its last stage. CTA 0 adds them in rank order (deterministic), adds the bias and writes y. No global
+    workspace, no atomics: the fix-up costs ~0.16 us after the last block (benchmarks/trace_linear.py) instead
+    of ~2.5 us.
+  * Stream-K (more row tiles than two per SM). The (N / 128) x (K / 64) grid of 16 KiB weight blocks is cut into num_ctas
     equal contiguous runs, one per SM, whatever the shape. A CTA that covered a whole row tile writes y
     directly; one that covered part of a tile writes its fp32 partial to its own workspace slot and adds its
     block count to the tile's arrival counter; the CTA that completes the count sums every partial of the
@@ -44,6 +46,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -74,8 +77,11 @@ SMEM_RESERVED = 2 * 1024
 # Shared memory of one SM, split between co-resident CTAs; the driver keeps 1 KiB of it per CTA.
 SMEM_PER_SM = 228 * 1024
 SMEM_PER_CTA_SYSTEM = 1024
-MAX_CLUSTER_K = 4  # most CTAs one row tile is split across in a cluster-split build
-CLUSTER_M_PADS = (8, 16)  # m_pad of cluster-split builds: their partial buffer, (cluster_k - 1) x 128 x m_pad fp32
+MAX_CLUSTER_K = 8  # most CTAs one row tile is split across in a cluster-split build (the portable cluster size)
+# A cluster's CTA 0 receives cluster_k - 1 fp32 partials of 128 x m_pad. Up to this many bytes they get a buffer of
+# their own beside the ring (what was measured at M <= 16, cluster_k <= 4); larger ones land in CTA 0's ring once
+# CTA 0 has consumed its last stage, so they cost no stages (see cluster_reduce).
+OWN_PARTIAL_BYTES = 24 * 1024
 MAX_ROW_TILES = 1 << 16  # arrival counters per workspace: N up to 8,388,608 rows
 FIXUP_BARRIER = 1  # named barrier of the 128 MMA threads (0 is __syncthreads)
 # Columns of the KernelOptions.trace buffer, one row per CTA. gt_*: %globaltimer (ns, one clock for the GPU);
@@ -95,20 +101,22 @@ TRACE_FIELDS = (
 )
 
 _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+_CLUSTER_SCOPE = nvvm.MemScopeKind.CLUSTER  # a remote mbarrier arrive that releases at cluster scope
 
 # Weight descriptor L2 promotion. Start value; benchmarks/bench_linear.py sweeps NONE/64B/128B/256B per
 # shape class on the H200 and this follows the measurement.
 DEFAULT_L2_PROMOTION = L2Promotion.L2_128B
 
 # Largest M at which this kernel is used, per weight-size class: (upper bound of N*K*element bytes,
-# max M); above it the op falls back to cuBLAS. From benchmarks/bench_linear.py on the H200 (back-to-back calls,
-# docs/results/linear-h200.csv, smem_share=2): at M=16 the kernel is 0.97-1.09x of cuBLAS on the issue's 7 shapes,
-# at M=32 0.95-1.10x (slower on 5 of 7) and at M=64 0.69-1.02x (slower on 6 of 7). In situ it is slower than
-# cuBLAS at every M on the Llama-3-8B shapes (docs/linear.md).
+# max M); above it the op falls back to cuBLAS. From benchmarks/sweep_linear.py on the H200 (runs 4 and 5,
+# 2026-12-03, docs/results/sweep-linear-h200-run{4,5}.*; the cluster split at every M), kernel vs cuBLAS, back to
+# back and in situ: under 64 MB (1024x4096, 4096x4096, 6144x4096) 0.90-0.99x at M=32 and 0.66-0.87x at M=64;
+# 64-256 MB (14336x4096, 4096x14336, 28672x4096, 10240x8192) 0.97-1.17x at M=32 (only 4096x14336 slower,
+# 0.97-0.99x) and 0.84-1.06x at M=64; from 256 MB (8192x28672, 57344x8192) 1.04-1.06x at M=32, 0.95-1.06x at M=64.
 CROSSOVER_M = (
     (64 << 20, 16),
-    (256 << 20, 16),
-    (math.inf, 16),
+    (256 << 20, 32),
+    (math.inf, 32),
 )
 
 
@@ -141,6 +149,11 @@ class KernelOptions(NamedTuple):
         0 keeps stream-K everywhere. A policy: options_for() turns it into cluster_k for one shape.
     cluster_k: CTAs per cluster (and per row tile) of a cluster-split build, 1..MAX_CLUSTER_K; 0 = stream-K.
         Static: part of the compiled kernel. Set by options_for(), not by hand.
+    cluster_max_k, cluster_max_m_pad: bounds of the cluster_split policy (cluster_k_for): at most cluster_max_k CTAs
+        per row tile, and stream-K for M padded above cluster_max_m_pad. (4, 16) is the policy measured first.
+    wgmma_in_flight: stages whose wgmma may be running at once. 1: wait for a stage's wgmma, release the stage,
+        then wait for the next one. 2: issue the next stage's wgmma before waiting for the previous one (released
+        one stage late), so the tensor cores never wait for the warpgroup's round trip.
     trace: a measurement build. The kernel takes one more tensor, int64 [num_ctas, TRACE_FIELDS], and each CTA
         writes its timeline there (TRACE_FIELDS names the columns): %globaltimer at its start and end, SM clock
         (clock64) at each phase. Results are the same; benchmarks/trace_linear.py reads it.
@@ -154,6 +167,9 @@ class KernelOptions(NamedTuple):
     early_trigger: bool = True
     cluster_split: int = 0
     cluster_k: int = 0
+    cluster_max_k: int = MAX_CLUSTER_K
+    cluster_max_m_pad: int = M_PADS[-1]
+    wgmma_in_flight: int = 1
     trace: bool = False
 
     @property
@@ -176,6 +192,11 @@ class KernelOptions(NamedTuple):
         if not 0 <= self.cluster_k <= MAX_CLUSTER_K or (self.cluster_k and self.ctas_per_sm != 1):
             raise ValueError(f"KernelOptions.cluster_k must be 0..{MAX_CLUSTER_K} (with ctas_per_sm=1), "
                              f"got {self.cluster_k!r}")
+        if self.wgmma_in_flight not in (1, 2):
+            raise ValueError(f"KernelOptions.wgmma_in_flight must be 1 or 2, got {self.wgmma_in_flight!r}")
+        if not 1 <= self.cluster_max_k <= MAX_CLUSTER_K or self.cluster_max_m_pad not in M_PADS:
+            raise ValueError(f"KernelOptions.cluster_max_k must be 1..{MAX_CLUSTER_K} and cluster_max_m_pad one of "
+                             f"{M_PADS}, got {self.cluster_max_k!r}, {self.cluster_max_m_pad!r}")
 
 
 # Measured with benchmarks/sweep_linear.py on the H200 (2026-12-02, docs/linear.md, docs/results/sweep-linear-h200*):
@@ -191,6 +212,12 @@ class KernelOptions(NamedTuple):
 # M=1: 11.12 vs 13.31 us, cuBLAS 12.36) and back to back on all 10 (10.95 vs 11.42 us): the per-CTA timelines
 # (benchmarks/trace_linear.py) put stream-K's fix-up at 1.0 us for every CTA plus 1.5 us for the last arriver, the
 # cluster's at 0.16 us.
+# Sweep runs 4 and 5 (2026-12-03, docs/results/sweep-linear-h200-run{4,5}.*): the cluster split at every M where its
+# received partials fit (in CTA 0's drained ring above OWN_PARTIAL_BYTES) and up to 8 CTAs per row tile took the
+# sweep's geomean from 0.942x (the bounds first shipped: 4 CTAs, M <= 16) to 1.012x back to back and from 0.903x to
+# 0.999x in situ; 4096x4096 M=64 17.14 -> 14.09 us, 1024x4096 M=1 6.08 -> 5.75 us (cuBLAS 11.72 / 6.96). Keeping a
+# second stage's wgmma in flight (wgmma_in_flight=2) was slower: 1.012x vs 1.032x back to back, 0.998x vs 1.018x in
+# situ (run 5).
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1)
 
 
@@ -314,30 +341,51 @@ def m_pad(M: int) -> int:
 
 def pipeline_stages(m_pad_: int, smem_slots: int = 1, cluster_k: int = 0) -> int:
     """Stages of the TMA ring that fit in one CTA's share (1 / smem_slots) of an SM's shared memory; a stage
-    is a 128 x 64 weight block and an m_pad x 64 block of x, 2-byte elements. A cluster-split build keeps
-    cluster_k - 1 partial tiles (fp32) beside the ring."""
+    is a 128 x 64 weight block and an m_pad x 64 block of x, 2-byte elements. A cluster-split build whose received
+    partials are small (partials_in_ring False) keeps them beside the ring."""
     stage_bytes = (TILE_N + m_pad_) * TILE_K * 2
     cta_bytes = min(SMEM_BYTES, SMEM_PER_SM // smem_slots - SMEM_PER_CTA_SYSTEM)
-    return (cta_bytes - SMEM_RESERVED - _cluster_partial_bytes(m_pad_, cluster_k)) // stage_bytes
+    own = 0 if partials_in_ring(m_pad_, cluster_k) else _cluster_partial_bytes(m_pad_, cluster_k)
+    return (cta_bytes - SMEM_RESERVED - own) // stage_bytes
 
 
 def _cluster_partial_bytes(m_pad_: int, cluster_k: int) -> int:
+    """Bytes of the partials a cluster's CTA 0 receives: cluster_k - 1 fp32 tiles of 128 x m_pad."""
     return max(0, cluster_k - 1) * TILE_N * m_pad_ * 4
 
 
-def cluster_k_for(N: int, K: int, m_pad_: int, sm_count: int, ctas_per_sm: int, smem_slots: int = 0) -> int:
+def partials_in_ring(m_pad_: int, cluster_k: int) -> bool:
+    """Whether a cluster-split build receives its partials in CTA 0's weight ring (after CTA 0's last stage)
+    rather than in a buffer of their own: above OWN_PARTIAL_BYTES."""
+    return _cluster_partial_bytes(m_pad_, cluster_k) > OWN_PARTIAL_BYTES
+
+
+def _fits_cluster(m_pad_: int, cluster_k: int, smem_slots: int) -> bool:
+    """A cluster-split build's received partials fit: in their own buffer, or in CTA 0's weight ring."""
+    if not partials_in_ring(m_pad_, cluster_k):
+        return pipeline_stages(m_pad_, smem_slots, cluster_k) >= 2
+    return _cluster_partial_bytes(m_pad_, cluster_k) <= pipeline_stages(m_pad_, smem_slots) * TILE_N * TILE_K * 2
+
+
+def cluster_k_for(N: int, K: int, m_pad_: int, sm_count: int, ctas_per_sm: int, smem_slots: int = 0,
+                  max_k: int = MAX_CLUSTER_K, max_m_pad: int = M_PADS[-1]) -> int:
     """CTAs per row tile of a cluster-split launch for an N x K weight, or 0 where the shape takes stream-K.
 
-    Every row tile gets one cluster, as many CTAs as ctas_per_sm per SM allows (at most MAX_CLUSTER_K, one 64-column
-    block each). With more row tiles than that, one CTA per row tile (no cluster) while the grid fits with
-    smem_slots (default ctas_per_sm) CTAs per SM, the whole grid resident at once; stream-K beyond.
+    Every row tile gets one cluster, as many CTAs as ctas_per_sm per SM allows (at most max_k, one 64-column
+    block each, and no more than the received partials fit: _fits_cluster). With more row tiles than that, one CTA
+    per row tile (no cluster) while the grid fits with smem_slots (default ctas_per_sm) CTAs per SM, the whole grid
+    resident at once; stream-K beyond, and for m_pad above max_m_pad.
     """
     tiles, k_blocks = -(-N // TILE_N), -(-K // TILE_K)
-    if m_pad_ not in CLUSTER_M_PADS or tiles > sm_count * max(ctas_per_sm, smem_slots):
+    smem_slots = max(ctas_per_sm, smem_slots)
+    if m_pad_ > max_m_pad or tiles > sm_count * smem_slots:
         return 0
     if tiles > sm_count * ctas_per_sm:
         return 1
-    return min(MAX_CLUSTER_K, k_blocks, sm_count * ctas_per_sm // tiles)
+    cluster_k = min(max_k, k_blocks, sm_count * ctas_per_sm // tiles)
+    while cluster_k > 1 and not _fits_cluster(m_pad_, cluster_k, smem_slots):
+        cluster_k -= 1
+    return cluster_k
 
 
 def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int) -> "KernelOptions":
@@ -351,7 +399,8 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int)
     """
     if not options.cluster_split:
         return options._replace(cluster_k=0)
-    cluster_k = cluster_k_for(N, K, m_pad(M), sm_count, options.cluster_split, options.smem_slots)
+    cluster_k = cluster_k_for(N, K, m_pad(M), sm_count, options.cluster_split, options.smem_slots,
+                              options.cluster_max_k, options.cluster_max_m_pad)
     if cluster_k:
         return options._replace(cluster_k=cluster_k, early_trigger=False)
     return options._replace(cluster_k=0)
@@ -398,9 +447,14 @@ class WeightStreamingLinear:
         self.options = options
         self.tile_mnk = (TILE_N, m_pad_, TILE_K)
         self.partial_elems = TILE_N * m_pad_  # fp32 values of one partial tile (m_pad per thread)
-        # cluster split: the first CTA of a cluster receives the other cluster_k - 1 partials (fp32); other
-        # builds keep a 16-byte stub (a struct member cannot be empty)
+        # cluster split: the first CTA of a cluster receives the other cluster_k - 1 partials (fp32), in a buffer of
+        # their own or in its drained weight ring (partials_in_ring); other builds keep a 16-byte stub (a struct
+        # member cannot be empty)
         self.cluster_elems = (options.cluster_k - 1) * self.partial_elems if options.cluster_k > 1 else 4
+        self.in_ring = options.cluster_k > 1 and partials_in_ring(m_pad_, options.cluster_k)
+        if self.in_ring and self.cluster_elems * 4 > stages * TILE_N * TILE_K * 2:
+            raise ValueError(f"WeightStreamingLinear: {self.cluster_elems * 4} bytes of partials do not fit in a ring "
+                             f"of {stages} stages")
 
     @cute.jit
     def __call__(
@@ -438,8 +492,10 @@ class WeightStreamingLinear:
             fixup_count: cute.struct.MemRange[Int32, 1]
             w_tiles: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(w_smem)], 1024]
             x_tiles: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(x_smem)], 1024]
-            cluster_partials: cute.struct.Align[cute.struct.MemRange[Float32, self.cluster_elems], 16]
+            cluster_partials: cute.struct.Align[cute.struct.MemRange[Float32, 4 if self.in_ring else self.cluster_elems],
+                                                16]
             cluster_barrier: cute.struct.MemRange[Int64, 1]
+            drained_barrier: cute.struct.MemRange[Int64, 1]
 
         self.shared_storage = SharedStorage
         kernel = self.kernel(
@@ -511,6 +567,7 @@ class WeightStreamingLinear:
         if cutlass.const_expr(cluster_k):
             run_begin = cluster_tile * k_blocks + rank * k_blocks // cluster_k
             run_end = cluster_tile * k_blocks + (rank + 1) * k_blocks // cluster_k
+        cluster_partials = storage.cluster_partials.get_tensor(cute.make_layout(self.cluster_elems))
         if cutlass.const_expr(cluster_k > 1):
             # CTA 0's barrier counts the bytes of the other CTAs' partials (cluster_reduce)
             if rank == 0 and tidx == 0:
@@ -519,8 +576,16 @@ class WeightStreamingLinear:
                 cute.arch.mbarrier_arrive_and_expect_tx(
                     storage.cluster_barrier.data_ptr(), (cluster_k - 1) * self.partial_elems * 4
                 )
-            # Every thread arrives once (release): this CTA has started and CTA 0's barrier is set. Only the
-            # senders wait, just before they send, so it costs the start nothing.
+            if cutlass.const_expr(self.in_ring):
+                # the partials land in CTA 0's weight ring; the other CTAs send once CTA 0 says it is drained
+                ring = cute.recast_ptr(storage.w_tiles.data_ptr(), dtype=Float32)
+                cluster_partials = cute.make_tensor(ring, cute.make_layout(self.cluster_elems))
+                if rank != 0 and tidx == 0:
+                    cute.arch.mbarrier_init(storage.drained_barrier.data_ptr(), 1)
+                    cute.arch.mbarrier_init_fence()
+            # Every thread arrives once (release): this CTA has started and its barriers are set. Only the
+            # senders wait, just before they send (and CTA 0 before it says it is drained), so it costs the start
+            # nothing.
             cute.arch.cluster_arrive()
 
         if warp_idx == PRODUCER_WARP:
@@ -533,9 +598,8 @@ class WeightStreamingLinear:
                 cute.arch.griddepcontrol_wait()  # out, partials and arrivals may still be in the previous grid's use
             self.mma_run(
                 tiled_mma, w_tiles, x_tiles, loads, bias, out, partials, arrivals,
-                storage.fixup_count.get_tensor(cute.make_layout(1)),
-                storage.cluster_partials.get_tensor(cute.make_layout(self.cluster_elems)),
-                storage.cluster_barrier.data_ptr(),
+                storage.fixup_count.get_tensor(cute.make_layout(1)), cluster_partials,
+                storage.cluster_barrier.data_ptr(), storage.drained_barrier.data_ptr(),
                 cta, num_ctas, tidx, run_begin, run_end, k_blocks, total, trace,
             )
             if cutlass.const_expr(self.options.trace):
@@ -625,7 +689,7 @@ class WeightStreamingLinear:
     @cute.jit
     def mma_run(
         self, tiled_mma, w_tiles, x_tiles, loads, bias, out, partials, arrivals, fixup_count, cluster_partials,
-        cluster_barrier, cta, num_ctas, tidx, run_begin, run_end, k_blocks, total, trace,
+        cluster_barrier, drained_barrier, cta, num_ctas, tidx, run_begin, run_end, k_blocks, total, trace,
     ):
         """Warps 0-3: accumulate each segment (the part of the run inside one row tile), then finish it."""
         thr_mma = tiled_mma.get_slice(tidx)
@@ -637,6 +701,7 @@ class WeightStreamingLinear:
         tile_sum = cute.make_rmem_tensor(acc_coords.shape, Float32)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        released = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)  # lags with 2 in flight
 
         it = run_begin
         while it < run_end:
@@ -657,16 +722,27 @@ class WeightStreamingLinear:
                         acc,
                     )
                 warpgroup.commit_group()
-                warpgroup.wait_group(0)  # the stage is free only once wgmma has read it
-                loads.consumer_release(state)
+                if cutlass.const_expr(self.options.wgmma_in_flight == 1):
+                    warpgroup.wait_group(0)  # the stage is free only once wgmma has read it
+                    loads.consumer_release(state)
+                else:
+                    warpgroup.wait_group(1)  # the previous stage's wgmma is done: that stage is free
+                    if released.count != state.count:
+                        loads.consumer_release(released)
+                        released.advance()
                 state.advance()
+            if cutlass.const_expr(self.options.wgmma_in_flight == 2):
+                warpgroup.wait_group(0)
+                loads.consumer_release(released)
+                released.advance()
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0 and seg_end == run_end:
                     trace[cta, 6] = cute.arch.clock64()
 
             if cutlass.const_expr(self.options.cluster_k > 1):
                 self.cluster_reduce(
-                    acc, tile_sum, acc_coords, tile, bias, out, cluster_partials, cluster_barrier, tidx, trace, cta
+                    acc, tile_sum, acc_coords, tile, bias, out, cluster_partials, cluster_barrier, drained_barrier,
+                    tidx, trace, cta,
                 )
             elif it == tile_begin and seg_end == tile_begin + k_blocks:
                 self.store_tile(acc, acc_coords, tile, bias, out)
@@ -738,18 +814,31 @@ class WeightStreamingLinear:
                 arrivals[tile] = Int32(0)  # ready for the next launch or graph replay
 
     @cute.jit
-    def cluster_reduce(self, acc, tile_sum, acc_coords, tile, bias, out, cluster_partials, cluster_barrier, tidx,
-                       trace, cta):
+    def cluster_reduce(self, acc, tile_sum, acc_coords, tile, bias, out, cluster_partials, cluster_barrier,
+                       drained_barrier, tidx, trace, cta):
         """Cluster split: CTAs 1..cluster_k-1 send their partial into CTA 0's shared memory with st.async, which
         counts the bytes on CTA 0's barrier; CTA 0 waits for all of them, adds them to its own in rank order
         (deterministic) and writes y.
 
-        Received partials: [rank - 1][value // 4][thread][value % 4], so each thread sends 16-byte pieces.
+        Received partials: [rank - 1][value // 4][thread][value % 4], so each thread sends 16-byte pieces. In a
+        buffer of their own, or (self.in_ring) over CTA 0's weight ring: there CTA 0, once its 4 MMA warps are past
+        their last wgmma (every TMA load of its run has landed and been read), arrives on each sender's
+        drained_barrier, and a sender waits for that before it sends.
         """
         rank = cute.arch.block_idx_in_cluster()
         slot_elems = self.partial_elems
+        if cutlass.const_expr(self.in_ring):
+            if rank == 0:
+                # wgmma read the ring through the async proxy; the senders' stores must come after those reads
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=FIXUP_BARRIER, number_of_threads=MMA_THREADS)
+                cute.arch.cluster_wait()  # every sender has initialised its drained_barrier
+                if tidx < self.options.cluster_k - 1:
+                    cute.arch.mbarrier_arrive(drained_barrier, tidx + 1, scope=_CLUSTER_SCOPE)
         if rank != 0:
             cute.arch.cluster_wait()  # CTA 0 has started and initialised its barrier
+            if cutlass.const_expr(self.in_ring):
+                cute.arch.mbarrier_wait(drained_barrier, 0)  # CTA 0 is done with its ring
             bits = cute.recast_tensor(acc, Int32)
             for q in cutlass.range_constexpr(cute.size(acc) // 4):
                 offset = cute.assume((rank - 1) * slot_elems + q * 4 * MMA_THREADS + tidx * 4, divby=4)
@@ -767,7 +856,7 @@ class WeightStreamingLinear:
             for v in cutlass.range(cute.size(acc), unroll_full=True):
                 tile_sum[v] = acc[v]
             for r in cutlass.range_constexpr(self.options.cluster_k - 1):
-                for v in cutlass.range_constexpr(cute.size(acc)):
+                for v in cutlass.range(cute.size(acc), unroll_full=True):
                     tile_sum[v] = tile_sum[v] + cluster_partials[
                         r * slot_elems + (v // 4) * 4 * MMA_THREADS + tidx * 4 + v % 4]
             self.store_tile(tile_sum, acc_coords, tile, bias, out)
@@ -816,9 +905,9 @@ def compile_kernel(
     tensors, num_ctas = grid_size(N, K, sm_count, options); it launches on the current torch stream.
     extra_options go to cute.compile (e.g. "--keep-ptx --dump-dir=DIR" to inspect the code).
     """
-    if options.cluster_k and m_pad_ not in CLUSTER_M_PADS:
-        raise ValueError(f"compile_kernel: a cluster-split build (cluster_k={options.cluster_k}) needs m_pad in "
-                         f"{CLUSTER_M_PADS}, got {m_pad_}")
+    if options.cluster_k > 1 and not _fits_cluster(m_pad_, options.cluster_k, options.smem_slots):
+        raise ValueError(f"compile_kernel: the partials of a cluster_k={options.cluster_k} build do not fit beside or "
+                         f"in the ring of m_pad={m_pad_} with {options.smem_slots} CTAs per SM")
     stages = pipeline_stages(m_pad_, options.smem_slots, options.cluster_k)
     kernel = WeightStreamingLinear(dtype, m_pad_, has_bias, stages, options)
     # options.trace: one more argument, the int64 [num_ctas, len(TRACE_FIELDS)] timeline
