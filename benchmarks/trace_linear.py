@@ -1,6 +1,6 @@
 """Where the linear kernel's time goes: per-CTA timelines from a trace build (KernelOptions.trace) on the H200.
 
-    timeout 300 python benchmarks/trace_linear.py [--csv PATH]     # < 2 min on an H200
+    timeout 300 python benchmarks/trace_linear.py [--csv PATH] [--case N K M ...] [--variant NAME ...]   # < 2 min
 
 For each case (N x K, M; bf16, no bias) and variant, a CUDA graph of back-to-back calls and one with a small
 elementwise kernel on x before every call ("in situ", as benchmarks/sweep_linear.py), weights rotated past the
@@ -94,6 +94,9 @@ def summarize(trace, fields, calls):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--csv", help="also write one row per (case, variant, mode) here")
+    parser.add_argument("--case", nargs=3, type=int, action="append", metavar=("N", "K", "M"),
+                        help="trace this case instead of CASES (repeatable)")
+    parser.add_argument("--variant", action="append", help="only this variant (repeatable; default all)")
     args = parser.parse_args()
 
     import cutlass
@@ -108,8 +111,13 @@ def main():
     fields = linear.TRACE_FIELDS
     partials = torch.empty(sm_count * 2 * linear.M_PADS[-1] * linear.TILE_N, dtype=torch.float32, device=device)
     arrivals = torch.zeros(linear.MAX_ROW_TILES, dtype=torch.int32, device=device)
+    table = variants(linear)
+    unknown = set(args.variant or ()) - set(table)
+    if unknown:
+        parser.error(f"unknown variant(s) {sorted(unknown)}; known: {sorted(table)}")
+    table = {name: o for name, o in table.items() if not args.variant or name in args.variant}
     rows = []
-    for n, k, m in CASES:
+    for n, k, m in args.case or CASES:
         copies = max(2, -(-ROTATION_BYTES // (n * k * 2)))
         weights = [(torch.randn(n, k, device=device) / math.sqrt(k)).to(DTYPE) for _ in range(copies)]
         box, swizzle = linear.weight_box(n, k, DTYPE), linear.weight_swizzle(DTYPE)
@@ -122,7 +130,7 @@ def main():
         cublas = [functools.partial(F.linear, x, weights[i % copies]) for i in range(calls)]
         cublas_us = {"back to back": graph_time_us(cublas, stream)[1],
                      "in situ": graph_time_us([c for f in cublas for c in (feed, f)], stream)[1] * 2 - feed_us}
-        for name, o in variants(linear).items():
+        for name, o in table.items():
             o = linear.options_for(o, n, k, m, sm_count)
             compiled = linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), False, "", o)
             num_ctas = linear.grid_size(n, k, sm_count, o)
