@@ -157,7 +157,8 @@ def test_pipeline_fits_shared_memory(m_pad, slots):
 
 
 STORAGE_CASES = [(share, m_pad, cluster_k) for share in (1, 2, 3) for m_pad in linear.M_PADS
-                 for cluster_k in (0, 2, 3, 4, 5, 8) if not cluster_k or linear._fits_cluster(m_pad, cluster_k, share)]
+                 for cluster_k in (0, *range(2, linear.MAX_CLUSTER_K + 1))
+                 if not cluster_k or linear._fits_cluster(m_pad, cluster_k, share)]
 # (m_pad, cluster_k) of every cluster build the policy can pick with two CTA shares per SM (DEFAULT_OPTIONS)
 CLUSTER_BUILDS = [(m_pad, cluster_k) for m_pad in linear.M_PADS for cluster_k in range(2, linear.MAX_CLUSTER_K + 1)
                   if linear._fits_cluster(m_pad, cluster_k, 2)]
@@ -211,6 +212,12 @@ def test_cluster_split_compiles(m_pad, cluster_k, tmp_path):
     assert ptx.count("barrier.cluster.arrive") == 1 and ptx.count("barrier.cluster.wait") == 1 + in_ring
     drained = re.findall(r"mbarrier\.arrive\.release\.cluster\.shared::cluster\.b64", ptx)
     assert len(drained) == in_ring and ("fence.proxy.async.shared::cta" in ptx) == in_ring
+    if in_ring:
+        # CTA 0 says it is drained only after its last wgmma wait (the consumer loop comes first in the code)
+        last_wait = ptx.rindex("wgmma.wait_group.sync.aligned")
+        handshake = [ptx.index(i) for i in ("fence.proxy.async.shared::cta", "bar.sync \t1, 128;",
+                                            "mbarrier.arrive.release.cluster")]
+        assert last_wait < handshake[0] < handshake[1] < handshake[2], (last_wait, handshake)
     assert "atom.global" not in ptx and "red.global" not in ptx
     stages = linear.pipeline_stages(m_pad, options.smem_slots, cluster_k)
     received = (cluster_k - 1) * linear.TILE_N * m_pad * 4
@@ -219,6 +226,20 @@ def test_cluster_split_compiles(m_pad, cluster_k, tmp_path):
         received = 0
     per_cta = stages * (linear.TILE_N + m_pad) * linear.TILE_K * 2 + linear.SMEM_RESERVED + received
     assert stages >= 2 and options.smem_slots * (per_cta + linear.SMEM_PER_CTA_SYSTEM) <= linear.SMEM_PER_SM
+
+
+@pytest.mark.parametrize("cluster_k", [0, 3])
+def test_wgmma_in_flight_two_waits_for_the_previous_stage(cluster_k, tmp_path):
+    """wgmma_in_flight=2 waits for all but the newest wgmma group inside the loop and for all after it; the default
+    waits for each stage's group (0) only. Stream-K and an in-ring cluster build (m_pad 64, 3 CTAs)."""
+    waits = {}
+    for in_flight in (1, 2):
+        options = linear.DEFAULT_OPTIONS._replace(cluster_k=cluster_k, wgmma_in_flight=in_flight)
+        dump = tmp_path / f"w{in_flight}"
+        dump.mkdir()
+        ptx, _ = _ptx_and_cubin(torch.bfloat16, 64, False, dump, options)
+        waits[in_flight] = sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d)", ptx)))
+    assert waits == {1: ["0"], 2: ["0", "1"]}, waits
 
 
 def test_cluster_k_for_policy():
