@@ -360,11 +360,16 @@ def partials_in_ring(m_pad_: int, cluster_k: int) -> bool:
     return _cluster_partial_bytes(m_pad_, cluster_k) > OWN_PARTIAL_BYTES
 
 
+def _weight_ring_bytes(stages: int) -> int:
+    """Bytes of the weight half of a ring of `stages` stages: where in-ring partials land (2-byte elements)."""
+    return stages * TILE_N * TILE_K * 2
+
+
 def _fits_cluster(m_pad_: int, cluster_k: int, smem_slots: int) -> bool:
     """A cluster-split build's received partials fit: in their own buffer, or in CTA 0's weight ring."""
     if not partials_in_ring(m_pad_, cluster_k):
         return pipeline_stages(m_pad_, smem_slots, cluster_k) >= 2
-    return _cluster_partial_bytes(m_pad_, cluster_k) <= pipeline_stages(m_pad_, smem_slots) * TILE_N * TILE_K * 2
+    return _cluster_partial_bytes(m_pad_, cluster_k) <= _weight_ring_bytes(pipeline_stages(m_pad_, smem_slots))
 
 
 def cluster_k_for(N: int, K: int, m_pad_: int, sm_count: int, ctas_per_sm: int, smem_slots: int = 0,
@@ -452,7 +457,7 @@ class WeightStreamingLinear:
         # member cannot be empty)
         self.cluster_elems = (options.cluster_k - 1) * self.partial_elems if options.cluster_k > 1 else 4
         self.in_ring = options.cluster_k > 1 and partials_in_ring(m_pad_, options.cluster_k)
-        if self.in_ring and self.cluster_elems * 4 > stages * TILE_N * TILE_K * 2:
+        if self.in_ring and self.cluster_elems * 4 > _weight_ring_bytes(stages):
             raise ValueError(f"WeightStreamingLinear: {self.cluster_elems * 4} bytes of partials do not fit in a ring "
                              f"of {stages} stages")
 
@@ -567,7 +572,12 @@ class WeightStreamingLinear:
         if cutlass.const_expr(cluster_k):
             run_begin = cluster_tile * k_blocks + rank * k_blocks // cluster_k
             run_end = cluster_tile * k_blocks + (rank + 1) * k_blocks // cluster_k
-        cluster_partials = storage.cluster_partials.get_tensor(cute.make_layout(self.cluster_elems))
+        if cutlass.const_expr(self.in_ring):
+            # the partials land in CTA 0's weight ring; the other CTAs send once CTA 0 says it is drained
+            ring = cute.recast_ptr(storage.w_tiles.data_ptr(), dtype=Float32)
+            cluster_partials = cute.make_tensor(ring, cute.make_layout(self.cluster_elems))
+        else:
+            cluster_partials = storage.cluster_partials.get_tensor(cute.make_layout(self.cluster_elems))
         if cutlass.const_expr(cluster_k > 1):
             # CTA 0's barrier counts the bytes of the other CTAs' partials (cluster_reduce)
             if rank == 0 and tidx == 0:
@@ -577,10 +587,7 @@ class WeightStreamingLinear:
                     storage.cluster_barrier.data_ptr(), (cluster_k - 1) * self.partial_elems * 4
                 )
             if cutlass.const_expr(self.in_ring):
-                # the partials land in CTA 0's weight ring; the other CTAs send once CTA 0 says it is drained
-                ring = cute.recast_ptr(storage.w_tiles.data_ptr(), dtype=Float32)
-                cluster_partials = cute.make_tensor(ring, cute.make_layout(self.cluster_elems))
-                if rank != 0 and tidx == 0:
+                if rank != 0 and tidx == 0:  # CTA 0 arrives on it once its ring is drained (cluster_reduce)
                     cute.arch.mbarrier_init(storage.drained_barrier.data_ptr(), 1)
                     cute.arch.mbarrier_init_fence()
             # Every thread arrives once (release): this CTA has started and its barriers are set. Only the
