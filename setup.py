@@ -7,7 +7,7 @@ setup(
     ext_modules=[
         CppExtension(
             "torch_tma._C",
-            ["csrc/tma_core.cpp"],
+            ["csrc/tma_core.cpp", "csrc/linear_op.cpp"],
             extra_compile_args=["-O2", "-g0"],
             libraries=["dl"],
         )

@@ -4,6 +4,8 @@
 // Nothing here links against libcuda: the driver is dlopen'ed on first use, so `import torch_tma` works on a
 // machine with no driver and only a device feature fails, naming what is missing. Streams and events go through
 // c10 (torch's device-generic interface), so this file needs torch's headers and a host compiler, not nvcc.
+#include "linear_op.h"
+
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
@@ -693,4 +695,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("values", &Table::values)
       .def_property_readonly("hits", &Table::hits)
       .def("__len__", &Table::size);
+  register_linear_op(m);
 }

@@ -242,6 +242,24 @@ def test_wgmma_in_flight_two_waits_for_the_previous_stage(cluster_k, tmp_path):
     assert waits == {1: ["0"], 2: ["0", "1"]}, waits
 
 
+@pytest.mark.parametrize("m_pad,cluster_k", [(8, 4), (64, 3)], ids=["own-buffer", "in-ring"])
+def test_late_first_cta_build_spins_before_the_handshake(m_pad, cluster_k, tmp_path):
+    """The test build behind test_cluster_senders_wait_for_a_late_first_cta: CTA 0 reads %globaltimer in a loop after
+    its last wgmma wait and before its handshake (the drained arrive, or its wait for the partials); shipped
+    builds never read the timer."""
+    options = linear.DEFAULT_OPTIONS._replace(cluster_k=cluster_k)
+    plain, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, tmp_path, options)
+    late_dir = tmp_path / "late"
+    late_dir.mkdir()
+    late, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, late_dir, options._replace(late_first_cta_ns=20_000))
+    assert "globaltimer" not in plain
+    spin = late.index("%globaltimer")
+    after = "mbarrier.arrive.release.cluster" if linear.partials_in_ring(m_pad, cluster_k) else "mbarrier.try_wait"
+    assert late.rindex("wgmma.wait_group.sync.aligned") < spin < late.index(after, spin), after
+    with pytest.raises(ValueError, match="late_first_cta_ns"):
+        linear.DEFAULT_OPTIONS._replace(late_first_cta_ns=1000).check()  # no cluster: nothing to be late for
+
+
 def test_cluster_k_for_policy():
     """One cluster per row tile, the whole grid resident at once, as large as the received partials fit; stream-K
     where that cannot be."""
@@ -415,27 +433,48 @@ def test_every_l2_promotion_same_bits():
         assert torch.equal(out, runs["repeat"]), f"{name} differs"
 
 
+def _check_build(options, m, n, k, bias, label):
+    """Launch the build of `options` on fresh random data into a NaN-poisoned y and check y against float64."""
+    x, weight, b = _random(m, n, k, torch.bfloat16, bias)
+    out = torch.full((m, n), math.nan, dtype=torch.bfloat16, device="cuda")
+    workspace = linear._workspace(0)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(m), bias, "", options)
+    compiled(x, weight, b, out, workspace.partials, workspace.arrivals, _weight_map(weight).ptr,
+             linear.grid_size(n, k, sm_count, options))
+    torch.cuda.synchronize()
+    _check(out, x, weight, b, label)
+
+
 @on_gpu
 @pytest.mark.parametrize("cluster_k", range(1, linear.MAX_CLUSTER_K + 1), ids=lambda c: f"k{c}")
 def test_cluster_split_numerics(cluster_k):
     """Every cluster size on benchmark and ragged shapes, M around every m_pad whose partials fit (in a buffer of
     their own or in CTA 0's ring), with and without bias: each output element matches the float64 reference
     (NaN-poisoned before the launch)."""
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     options = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_k=cluster_k)
-    workspace = linear._workspace(0)
     for n, k in [(4096, 4096), (1024, 4096), (6144, 4096), (1000, 1000), (129, 520), (8, 256)]:
         for m in (1, 2, 7, 8, 9, 16, 17, 32, 33, 64):
             if cluster_k > -(-k // linear.TILE_K) or not linear._fits_cluster(linear.m_pad(m), cluster_k, 2):
                 continue
-            bias = m % 2 == 1
-            x, weight, b = _random(m, n, k, torch.bfloat16, bias)
-            out = torch.full((m, n), math.nan, dtype=torch.bfloat16, device="cuda")
-            compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(m), bias, "", options)
-            compiled(x, weight, b, out, workspace.partials, workspace.arrivals, _weight_map(weight).ptr,
-                     linear.grid_size(n, k, sm_count, options))
-            torch.cuda.synchronize()
-            _check(out, x, weight, b, f"cluster_k={cluster_k} {n}x{k} M={m}")
+            _check_build(options, m, n, k, m % 2 == 1, f"cluster_k={cluster_k} {n}x{k} M={m}")
+
+
+@on_gpu
+@pytest.mark.parametrize("cluster_k", [2, 3, 8], ids=lambda c: f"k{c}")
+def test_cluster_senders_wait_for_a_late_first_cta(cluster_k):
+    """CTA 0 of every cluster arrives 20 us late (late_first_cta_ns): the other CTAs finish their share first and
+    wait, for CTA 0's drained ring (partials in its ring) or only for their st.async to land (own buffer). Each
+    output element still matches the float64 reference (NaN-poisoned before the launch)."""
+    options = linear.DEFAULT_OPTIONS._replace(cluster_k=cluster_k, late_first_cta_ns=20_000)
+    kinds = set()
+    for n, k in [(4096, 4096), (1000, 1032)]:
+        for m in (1, 16, 33, 64):
+            if not linear._fits_cluster(linear.m_pad(m), cluster_k, options.smem_slots):
+                continue
+            kinds.add(linear.partials_in_ring(linear.m_pad(m), cluster_k))
+            _check_build(options, m, n, k, True, f"late CTA 0, cluster_k={cluster_k} {n}x{k} M={m}")
+    assert kinds == ({False, True} if cluster_k <= 3 else {True}), kinds  # in ring: senders wait for the drain
 
 
 @on_gpu

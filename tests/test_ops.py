@@ -311,3 +311,119 @@ def test_cuda_graph_capture_of_an_unseen_weight_raises():
     with pytest.raises(torch_tma.CaptureMissError):
         with torch.cuda.graph(graph):
             torch.ops.tma.linear(x, unseen, b)
+
+
+# ---- the native kernels (csrc/linear_op.cpp) ------------------------------------------------------------
+
+
+def test_cuda_and_autograd_kernels_are_native():
+    dump = torch._C._dispatch_dump("tma::linear")
+    for key in ("CUDA", "Autograd[alias]", "CPU"):
+        line = next((row for row in dump.splitlines() if row.startswith(f"{key}:")), None)
+        assert line is not None, dump
+        assert ("linear_op.cpp" in line) == (key != "CPU"), line
+
+
+def test_autograd_kernel_records_a_graph_only_when_asked_cpu():
+    x, weight, b = random_linear((3,), 16, 32, torch.float32, "cpu")
+    weight.requires_grad_()
+    assert torch.ops.tma.linear(x, weight, b).grad_fn is not None
+    with torch.no_grad():
+        out = torch.ops.tma.linear(x, weight, b)  # below autograd through the dispatcher, no Python
+    assert out.grad_fn is None and not out.requires_grad
+    assert_matches_reference(out, *reference(x, weight.detach(), b))
+
+
+def test_ffi_call_passes_tensors_none_ints_and_the_stream():
+    # The native CUDA kernel's call of the compiled kernel, made here on CPU tensors with a Python TVM-FFI
+    # function in its place: checks the hand-declared TVM-FFI ABI (argument kinds, DLTensor views, stream).
+    tvm_ffi = pytest.importorskip("tvm_ffi")
+    seen = {}
+
+    def fn(a, none, b, i, j, *trailing):
+        seen.update(a=(tuple(a.shape), tuple(a.strides), str(a.dtype), a.data_ptr()), none=none,
+                    b=(tuple(b.shape), tuple(b.strides), str(b.dtype), b.data_ptr()), ints=(i, j), trailing=trailing,
+                    stream=tvm_ffi.get_raw_stream(tvm_ffi.device("cuda", 0)))
+
+    a = torch.randn(6, 8, dtype=torch.bfloat16)[:, 2:6]  # strided view
+    b = torch.zeros(3, dtype=torch.int32)
+    before = tvm_ffi.get_raw_stream(tvm_ffi.device("cuda", 0))
+    torch_tma._C.ffi_call_for_test(tvm_ffi.convert(fn), [a, None, b], [-5, 1 << 40], 2, 0x1234560,
+                                   ops._ffi_library())
+    assert seen == dict(a=((6, 4), (8, 1), "bfloat16", a.data_ptr()), none=None,
+                        b=((3,), (1,), "int32", b.data_ptr()), ints=(-5, 1 << 40), trailing=(None, None),
+                        stream=0x1234560)
+    assert tvm_ffi.get_raw_stream(tvm_ffi.device("cuda", 0)) == before  # restored after the call
+
+
+def test_ffi_target_fills_the_compiled_kernels_defaults():
+    tvm_ffi = pytest.importorskip("tvm_ffi")
+    from tvm_ffi.utils import kwargs_wrapper
+
+    class Compiled:  # what cute.compile returns for a signature with defaults (kernels.linear's trace=None)
+        def __init__(self, target, names, defaults):
+            self._target = target
+            self._kwargs_wrapper = kwargs_wrapper.make_kwargs_wrapper(target, names, defaults)
+
+        def __tvm_ffi_object__(self):
+            return self._target
+
+    target = tvm_ffi.convert(lambda *args: None)
+    assert ops._ffi_target(Compiled(target, ["a", "b", "trace"], (None,)), 2) == (target, 1)
+    assert ops._ffi_target(target, 2) == (target, 0)  # a plain positional function
+    with pytest.raises(RuntimeError, match="not all None"):
+        ops._ffi_target(Compiled(target, ["a", "b", "flag"], (True,)), 2)
+
+
+def test_ffi_call_raises_the_functions_error():
+    tvm_ffi = pytest.importorskip("tvm_ffi")
+
+    def fn(a):
+        raise ValueError("the kernel refused")
+
+    with pytest.raises(RuntimeError, match="the kernel refused"):
+        torch_tma._C.ffi_call_for_test(tvm_ffi.convert(fn), [torch.zeros(2)], [], 0, 0, ops._ffi_library())
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(CUDA_TIMEOUT_S)
+@pytest.mark.parametrize("leading,bias", [((1,), False), ((5,), True), ((2, 8), True)])
+def test_steady_state_calls_run_native(leading, bias):
+    x, weight, b = random_linear(leading, 1000, 1032, torch.bfloat16, "cuda", bias)
+    torch.ops.tma.linear(x, weight, b)  # the first call of a shape goes through Python and is remembered
+    for _ in range(3):
+        x = torch.randn_like(x)
+        before = ops.native_stats()
+        poison_next_allocation((*leading, 1000), x.dtype, "cuda")
+        out = torch.ops.tma.linear(x, weight, b)
+        after = ops.native_stats()
+        assert (after["fast_calls"] - before["fast_calls"], after["slow_calls"] - before["slow_calls"]) == (1, 0)
+        assert_matches_reference(out, *reference(x, weight, b))
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(CUDA_TIMEOUT_S)
+def test_native_path_follows_new_weights_streams_and_alignment():
+    x, weight, b = random_linear((4,), 512, 1024, torch.bfloat16, "cuda")
+    torch.ops.tma.linear(x, weight, b)
+    # a weight in new storage: the native lookup misses, the cache encodes it, the result uses it
+    weight = weight.clone() * 2
+    assert_matches_reference(torch.ops.tma.linear(x, weight, b), *reference(x, weight, b))
+    # another stream: its first call goes through Python (its own workspace), later ones are native
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        slow = ops.native_stats()["slow_calls"]
+        first = torch.ops.tma.linear(x, weight, b)
+        assert ops.native_stats()["slow_calls"] == slow + 1
+        fast = ops.native_stats()["fast_calls"]
+        second = torch.ops.tma.linear(x, weight, b)
+        assert ops.native_stats()["fast_calls"] == fast + 1
+    torch.cuda.current_stream().wait_stream(stream)
+    for out in (first, second):
+        assert_matches_reference(out, *reference(x, weight, b))
+    # x one element off 16-byte alignment: the native checks hand it to Python, which falls back to F.linear
+    offset = torch.randn(4 * 1024 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(4, 1024)
+    slow = ops.native_stats()["slow_calls"]
+    assert torch.equal(torch.ops.tma.linear(offset, weight, b), F.linear(offset, weight, b))
+    assert ops.native_stats()["slow_calls"] == slow + 1

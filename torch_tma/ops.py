@@ -7,7 +7,9 @@ output [..., N] in x's dtype. l2_promotion is a torch_tma.L2Promotion value for 
 None takes the kernel's default (kernels.linear.DEFAULT_L2_PROMOTION, set from its sweeps).
 
 Registered once through torch.library: a CUDA kernel (the CuTe DSL weight-streaming kernel on Hopper,
-F.linear elsewhere), a CPU kernel (F.linear), a fake kernel for torch.compile, and autograd. Where the
+F.linear elsewhere), a CPU kernel (F.linear), a fake kernel for torch.compile, and autograd. The CUDA and Autograd
+kernels are C++ (csrc/linear_op.cpp): a steady-state call runs no Python; the first call of a shape, fallbacks,
+errors and calls that record an autograd graph go to the Python functions here. Where the
 kernel does not apply (M above the crossover, a GPU other than sm_90, a K byte stride that is not a
 multiple of 16, a non-contiguous weight, an unsupported dtype) the CUDA kernel falls back to F.linear and
 logs the reason once per distinct cause (the reason with its numbers taken out) on the "torch_tma" logger at
@@ -20,6 +22,7 @@ imported on the first CUDA call, so importing this module never needs the DSL.
 
 import functools
 import importlib
+import inspect
 import logging
 import re
 from collections.abc import Callable
@@ -28,6 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import _C
 from .cache import TensorMapCache, default_cache
 from .spec import L2Promotion, Swizzle
 
@@ -156,6 +160,7 @@ def _linear_cuda(x, weight, bias=None, *, l2_promotion=None):
     weight_map = plan.cache.get(weight, plan.box, swizzle=plan.swizzle, l2_promotion=plan.l2_promotion)
     out = x2d.new_empty((x2d.shape[0], n))
     plan.linear_out(x2d, weight, bias, out, weight_map.ptr, l2_promotion=plan.l2_promotion)
+    _remember_launch(x2d, weight, bias, l2_promotion, plan)
     return out if x2d is x else out.view(_out_shape(x, weight))
 
 
@@ -169,25 +174,12 @@ def _linear_fake(x, weight, bias=None, *, l2_promotion=None):
     return x.new_empty(_out_shape(x, weight))
 
 
-_lib.impl("linear", _linear_cuda, "CUDA")
 _lib.impl("linear", _linear_cpu, "CPU")
 torch.library.register_fake("tma::linear", _linear_fake, lib=_lib)
 
-_linear_op = torch.ops.tma.linear.default
 # Keys the Autograd kernel hands on to. Private torch API, the one torch.library.register_autograd uses.
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
-_BACKEND_KERNELS = {
-    torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA).raw_repr(): _linear_cuda,
-    torch._C.DispatchKeySet(torch._C.DispatchKey.CPU).raw_repr(): _linear_cpu,
-}
-
-
-@functools.cache
-def _backend_kernel(keyset_raw: int) -> Callable | None:
-    """The backend kernel that a call dispatched with this key set (DispatchKeySet.raw_repr()) reaches right after
-    the Autograd key, or None when another key (functionalization, fake or subclass tensors, ...) comes between."""
-    below = torch._C.DispatchKeySet.from_raw_repr(keyset_raw) & _AFTER_AUTOGRAD
-    return _BACKEND_KERNELS.get(below.raw_repr())
+_linear_op = torch.ops.tma.linear.default
 
 
 class _Linear(torch.autograd.Function):
@@ -212,22 +204,72 @@ class _Linear(torch.autograd.Function):
         return None, grad_x, grad_weight, grad_bias, None
 
 
-def _linear_autograd(keyset, x, weight, bias=None, *, l2_promotion=None):
-    """The op's Autograd kernel, in place of torch.library.register_autograd's generic one.
+def _linear_autograd_graph(keyset_raw, x, weight, bias=None, l2_promotion=None):
+    """The op for a call that records an autograd graph, called by the native Autograd kernel (csrc/linear_op.cpp)
+    with the key set it was dispatched with (DispatchKeySet.raw_repr()). Calls that record nothing never come here:
+    the native kernel sends them below the Autograd key through the dispatcher."""
+    keyset = torch._C.DispatchKeySet.from_raw_repr(keyset_raw)
+    return _Linear.apply(keyset & _AFTER_AUTOGRAD, x, weight, bias, l2_promotion)
 
-    The generic kernel costs ~7.5 us per call even when nothing needs a gradient (a dataclass, a context manager
-    and a second trip through the dispatcher; measured on CPU). Here a call that records no graph goes straight
-    to the backend kernel when plain CUDA or CPU tensors are all that is left to dispatch on, and only fake,
-    functional or subclass tensors (torch.compile, opcheck) take the redispatch.
+
+# The CUDA and Autograd kernels are C++ (csrc/linear_op.cpp): a Python kernel costs the dispatcher's hand-over to
+# Python and back on every call. The CUDA kernel makes steady-state launches itself and hands every other call to
+# _linear_cuda above; the Autograd kernel hands calls that record a graph to _linear_autograd_graph.
+_C.linear_register_kernels(_linear_cuda, _linear_autograd_graph)
+
+
+@functools.cache
+def _ffi_library() -> str:
+    """Path of libtvm_ffi.so, which the native kernel calls the compiled kernel through (loaded by the DSL)."""
+    import tvm_ffi.libinfo
+
+    return tvm_ffi.libinfo.find_libtvm_ffi()
+
+
+def _ffi_target(compiled, nargs: int):
+    """(the tvm_ffi.Function a call of the compiled kernel ends in, how many None arguments follow the nargs given).
+
+    cute.compile returns a tvm_ffi.Function, or (for a signature with defaults, like the kernel's trace=None) a
+    wrapper that fills the defaults in and calls a positional tvm_ffi.Function: the native kernel calls that one,
+    with the defaults, which must be None.
     """
-    if torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    ):
-        return _Linear.apply(keyset & _AFTER_AUTOGRAD, x, weight, bias, l2_promotion)
-    kernel = _backend_kernel(keyset.raw_repr())
-    if kernel is not None:
-        return kernel(x, weight, bias, l2_promotion=l2_promotion)
-    return _linear_op.redispatch(keyset & _AFTER_AUTOGRAD, x, weight, bias, l2_promotion=l2_promotion)
+    wrapper = getattr(compiled, "_kwargs_wrapper", None)
+    if wrapper is None:
+        return compiled, 0
+    rest = list(inspect.signature(wrapper).parameters.values())[nargs:]
+    if any(p.default is not None for p in rest):
+        raise RuntimeError(f"tma::linear: the compiled kernel's arguments after the first {nargs} are not all "
+                           f"None by default: {rest}")
+    return compiled.__tvm_ffi_object__(), len(rest)
 
 
-_lib.impl("linear", _linear_autograd, "Autograd", with_keyset=True)
+_remembered: set[tuple] = set()  # launches and (device, stream) workspaces handed to the native kernel
+
+
+def _remember_launch(x2d, weight, bias, l2_promotion, plan: "_Plan") -> None:
+    """Hand the native CUDA kernel what it needs to make this launch again without Python: the compiled kernel,
+    its grid, the descriptor lookup's arguments and (once the stream has its own) the stream's workspace. Each
+    once: a call the native kernel keeps handing back (e.g. on a stream that only ever captures) costs a set lookup."""
+    kernels = _kernels()
+    m = x2d.shape[0]
+    n, k = weight.shape
+    device = weight.get_device()
+    launch = (device, weight.dtype, m, n, k, bias is not None, l2_promotion)
+    if launch not in _remembered:
+        compiled, num_ctas = kernels._launch_config(device, weight.dtype, m, n, k, bias is not None)
+        function, trailing_nones = _ffi_target(compiled, 8)  # linear_out passes 8 arguments
+        _C.linear_remember_launch(weight, m, bias is not None, l2_promotion, plan.cache.get, plan.box,
+                                  int(plan.swizzle), int(plan.l2_promotion), function, trailing_nones, num_ctas,
+                                  _ffi_library())
+        _remembered.add(launch)
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    ws = kernels._workspaces.get((device, stream))  # None while a stream first seen during capture uses the capture one
+    if ws is not None and (device, stream) not in _remembered:
+        _C.linear_remember_workspace(device, stream, ws.partials, ws.arrivals)
+        _remembered.add((device, stream))
+
+
+def native_stats() -> dict:
+    """Calls the native CUDA kernel made itself (fast_calls) and handed to the Python kernel (slow_calls), and the
+    launches (plans) and stream workspaces it holds."""
+    return _C.linear_native_stats()

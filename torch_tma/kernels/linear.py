@@ -154,6 +154,9 @@ class KernelOptions(NamedTuple):
     wgmma_in_flight: stages whose wgmma may be running at once. 1: wait for a stage's wgmma, release the stage,
         then wait for the next one. 2: issue the next stage's wgmma before waiting for the previous one (released
         one stage late), so the tensor cores never wait for the warpgroup's round trip.
+    late_first_cta_ns: a test build: in a cluster-split build, CTA 0 of each cluster spins this many nanoseconds
+        (on %globaltimer) after its last wgmma, before it says its ring is drained or waits for the partials, so
+        the other CTAs reach their waits before CTA 0 arrives (tests/test_linear_kernel.py). 0 in shipped builds.
     trace: a measurement build. The kernel takes one more tensor, int64 [num_ctas, TRACE_FIELDS], and each CTA
         writes its timeline there (TRACE_FIELDS names the columns): %globaltimer at its start and end, SM clock
         (clock64) at each phase. Results are the same; benchmarks/trace_linear.py reads it.
@@ -170,6 +173,7 @@ class KernelOptions(NamedTuple):
     cluster_max_k: int = MAX_CLUSTER_K
     cluster_max_m_pad: int = M_PADS[-1]
     wgmma_in_flight: int = 1
+    late_first_cta_ns: int = 0
     trace: bool = False
 
     @property
@@ -194,6 +198,9 @@ class KernelOptions(NamedTuple):
                              f"got {self.cluster_k!r}")
         if self.wgmma_in_flight not in (1, 2):
             raise ValueError(f"KernelOptions.wgmma_in_flight must be 1 or 2, got {self.wgmma_in_flight!r}")
+        if self.late_first_cta_ns < 0 or (self.late_first_cta_ns and self.cluster_k < 2):
+            raise ValueError(f"KernelOptions.late_first_cta_ns must be >= 0, and 0 unless cluster_k >= 2, got "
+                             f"{self.late_first_cta_ns!r} with cluster_k={self.cluster_k!r}")
         if not 1 <= self.cluster_max_k <= MAX_CLUSTER_K or self.cluster_max_m_pad not in M_PADS:
             raise ValueError(f"KernelOptions.cluster_max_k must be 1..{MAX_CLUSTER_K} and cluster_max_m_pad one of "
                              f"{M_PADS}, got {self.cluster_max_k!r}, {self.cluster_max_m_pad!r}")
@@ -834,6 +841,12 @@ class WeightStreamingLinear:
         """
         rank = cute.arch.block_idx_in_cluster()
         slot_elems = self.partial_elems
+        if cutlass.const_expr(self.options.late_first_cta_ns):
+            if rank == 0:
+                start = cute.arch.globaltimer()
+                now = start
+                while now - start < Int64(self.options.late_first_cta_ns):
+                    now = cute.arch.globaltimer()
         if cutlass.const_expr(self.in_ring):
             if rank == 0:
                 # wgmma read the ring through the async proxy; the senders' stores must come after those reads
