@@ -68,6 +68,7 @@ struct Ffi {
   int (*function_call)(void*, FfiAny*, int32_t, FfiAny*) = nullptr;
   int (*env_set_stream)(int32_t, int32_t, void*, void**) = nullptr;
   void (*error_move_from_raised)(void**) = nullptr;
+  int (*object_inc_ref)(void*) = nullptr;
   int (*object_dec_ref)(void*) = nullptr;
 };
 
@@ -81,10 +82,11 @@ void load_ffi(const std::string& path) {
   f.function_call = reinterpret_cast<decltype(f.function_call)>(dlsym(lib, "TVMFFIFunctionCall"));
   f.env_set_stream = reinterpret_cast<decltype(f.env_set_stream)>(dlsym(lib, "TVMFFIEnvSetStream"));
   f.error_move_from_raised = reinterpret_cast<decltype(f.error_move_from_raised)>(dlsym(lib, "TVMFFIErrorMoveFromRaised"));
+  f.object_inc_ref = reinterpret_cast<decltype(f.object_inc_ref)>(dlsym(lib, "TVMFFIObjectIncRef"));
   f.object_dec_ref = reinterpret_cast<decltype(f.object_dec_ref)>(dlsym(lib, "TVMFFIObjectDecRef"));
-  TORCH_CHECK(f.function_call && f.env_set_stream && f.error_move_from_raised && f.object_dec_ref, "torch_tma: ",
-              path, " lacks a TVM-FFI C function this build uses (TVMFFIFunctionCall, TVMFFIEnvSetStream, ",
-              "TVMFFIErrorMoveFromRaised, TVMFFIObjectDecRef)");
+  TORCH_CHECK(f.function_call && f.env_set_stream && f.error_move_from_raised && f.object_inc_ref && f.object_dec_ref,
+              "torch_tma: ", path, " lacks a TVM-FFI C function this build uses (TVMFFIFunctionCall, ",
+              "TVMFFIEnvSetStream, TVMFFIErrorMoveFromRaised, TVMFFIObjectIncRef, TVMFFIObjectDecRef)");
   ffi = f;
 }
 
@@ -160,9 +162,42 @@ void ffi_call(void* fn, const std::vector<const at::Tensor*>& tensors, const std
   TORCH_CHECK(rc == 0, "torch_tma: the compiled kernel call failed: ", error);
 }
 
+// A reference to a TVM-FFI object held for a scope without the GIL: the function a call runs stays alive even if
+// another thread replaces its plan meanwhile.
+class FfiRef {
+ public:
+  explicit FfiRef(void* handle) : handle_(handle) { ffi.object_inc_ref(handle_); }
+  ~FfiRef() { ffi.object_dec_ref(handle_); }
+  FfiRef(const FfiRef&) = delete;
+  FfiRef& operator=(const FfiRef&) = delete;
+  void* get() const { return handle_; }
+
+ private:
+  void* handle_;
+};
+
+// The descriptor of `weight`: get(weight, box, swizzle=..., l2_promotion=...), as the op's Python kernel calls the
+// cache's get, so a hit takes the native hit path (csrc/tma_core.cpp, fast_get: keyword names must be the interned
+// strings it compares by identity) with its stream and capture bookkeeping; a miss runs the cache's Python get,
+// which encodes (or raises CaptureMissError). Needs the GIL.
+py::object lookup_descriptor(const py::object& get, const at::Tensor& weight, const py::object& box,
+                             const py::object& swizzle, const py::object& l2) {
+  static PyObject* kw_names = [] {
+    PyObject* names = PyTuple_New(2);
+    PyTuple_SET_ITEM(names, 0, PyUnicode_InternFromString("swizzle"));
+    PyTuple_SET_ITEM(names, 1, PyUnicode_InternFromString("l2_promotion"));
+    return names;
+  }();
+  py::object w = py::reinterpret_steal<py::object>(THPVariable_Wrap(weight));
+  std::array<PyObject*, 5> args{nullptr, w.ptr(), box.ptr(), swizzle.ptr(), l2.ptr()};
+  PyObject* map = PyObject_Vectorcall(get.ptr(), args.data() + 1, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, kw_names);
+  if (!map) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(map);
+}
+
 // ---- the remembered launches ----------------------------------------------------------------------------------
-// (device, dtype, M, N, K, bias or not, l2_promotion argument or -1 for None)
-using PlanKey = std::tuple<int, int, int64_t, int64_t, int64_t, bool, int64_t>;
+// (device, dtype, M, N, K, bias or not, the l2_promotion argument)
+using PlanKey = std::tuple<int, int, int64_t, int64_t, int64_t, bool, std::optional<int64_t>>;
 struct Plan {
   py::object get;       // the device cache's get (its native hit path)
   py::object box;       // the weight descriptor's box, swizzle and promotion, as get() takes them
@@ -184,7 +219,6 @@ struct State {
   std::map<std::pair<int, void*>, Workspace> workspaces;  // (device, raw stream)
   py::object slow_cuda;       // ops._linear_cuda
   py::object autograd_graph;  // ops._linear_autograd_graph(keyset_raw, x, weight, bias, l2_promotion)
-  py::object kw_names;        // ("swizzle", "l2_promotion")
   std::atomic<int64_t> fast_calls{0};
   std::atomic<int64_t> slow_calls{0};
 };
@@ -240,10 +274,11 @@ std::optional<at::Tensor> try_fast(const at::Tensor& x, const at::Tensor& weight
     return std::nullopt;
 
   State& s = state();
-  const PlanKey key{device, static_cast<int>(weight.scalar_type()), M, N, K, bias != nullptr, l2 ? *l2 : -1};
+  const PlanKey key{device, static_cast<int>(weight.scalar_type()), M, N, K, bias != nullptr, l2};
   void* fn = nullptr;
   int64_t num_ctas = 0, trailing_nones = 0, map_ptr = 0;
   Workspace ws;
+  std::optional<FfiRef> fn_ref;  // taken under the lock, released after the call
   {
     py::gil_scoped_acquire gil;  // the plan's Python objects and the cache lookup need it
     py::object get, box, swizzle, l2_code;
@@ -256,14 +291,9 @@ std::optional<at::Tensor> try_fast(const at::Tensor& x, const at::Tensor& weight
       std::tie(fn, num_ctas, trailing_nones, get, box, swizzle, l2_code) =
           std::make_tuple(plan.fn, plan.num_ctas, plan.trailing_nones, plan.get, plan.box, plan.swizzle, plan.l2);
       ws = ws_it->second;
+      fn_ref.emplace(fn);
     }
-    // get(weight, box, swizzle=..., l2_promotion=...): the cache's native hit path, with its stream and capture
-    // bookkeeping; a miss runs the cache's Python get, which encodes (or raises CaptureMissError).
-    py::object w = py::reinterpret_steal<py::object>(THPVariable_Wrap(weight));
-    std::array<PyObject*, 5> call_args{nullptr, w.ptr(), box.ptr(), swizzle.ptr(), l2_code.ptr()};
-    py::object map = py::reinterpret_steal<py::object>(PyObject_Vectorcall(
-        get.ptr(), call_args.data() + 1, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, s.kw_names.ptr()));
-    if (!map) throw py::error_already_set();
+    py::object map = lookup_descriptor(get, weight, box, swizzle, l2_code);
     map_ptr = map.attr("ptr").cast<int64_t>();
   }
   at::Tensor out = at::empty({M, N}, x.options());
@@ -302,7 +332,6 @@ void register_kernels(py::object slow, py::object autograd_graph) {
   State& s = state();
   s.slow_cuda = std::move(slow);
   s.autograd_graph = std::move(autograd_graph);
-  s.kw_names = py::make_tuple("swizzle", "l2_promotion");
   native_library = new torch::Library(torch::Library::IMPL, "tma", std::nullopt, __FILE__, __LINE__);
   native_library->impl("linear", torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(linear_cuda)));
   native_library->impl("linear", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(linear_autograd)));
@@ -317,7 +346,7 @@ void remember_launch(const at::Tensor& weight, int64_t M, bool has_bias, std::op
   void* fn = reinterpret_cast<void*>(function.attr("__chandle__")().cast<uintptr_t>());
   TORCH_CHECK(fn, "torch_tma: the compiled kernel has no TVM-FFI handle");
   PlanKey key{weight.get_device(), static_cast<int>(weight.scalar_type()), M, weight.size(0), weight.size(1),
-              has_bias, l2_arg ? *l2_arg : -1};
+              has_bias, l2_arg};
   Plan plan{std::move(get), std::move(box), py::int_(swizzle), py::int_(l2), std::move(function), fn, trailing_nones,
             num_ctas};
   State& s = state();
@@ -342,6 +371,11 @@ py::dict native_stats() {
   return d;
 }
 
+// Test hook: the CUDA kernel's descriptor lookup on any tensor (CPU tests use a CPU table).
+py::object lookup_for_test(py::object get, const at::Tensor& weight, py::object box, int64_t swizzle, int64_t l2) {
+  return lookup_descriptor(get, weight, box, py::int_(swizzle), py::int_(l2));
+}
+
 // Test hook: fn(*tensors, *ints) through ffi_call on the CPU, stream as the CUDA environment stream of device 0.
 void ffi_call_for_test(py::object fn, const std::vector<std::optional<at::Tensor>>& tensors,
                        const std::vector<int64_t>& ints, int64_t trailing_nones, uintptr_t stream,
@@ -361,5 +395,6 @@ void register_linear_op(py::module& m) {
   m.def("linear_remember_launch", &remember_launch, "let the CUDA kernel make this launch without Python");
   m.def("linear_remember_workspace", &remember_workspace, "the split-K workspace of a (device, stream)");
   m.def("linear_native_stats", &native_stats, "calls made by the C++ kernel and handed to Python; sizes");
+  m.def("linear_lookup_for_test", &lookup_for_test, "the CUDA kernel's descriptor lookup, on any tensor");
   m.def("ffi_call_for_test", &ffi_call_for_test, "call a TVM-FFI function the way the CUDA kernel does");
 }

@@ -334,6 +334,21 @@ def test_autograd_kernel_records_a_graph_only_when_asked_cpu():
     assert_matches_reference(out, *reference(x, weight.detach(), b))
 
 
+def test_native_descriptor_lookup_takes_the_tables_hit_path():
+    # The CUDA kernel looks the weight's descriptor up through the cache's native get, which matches keyword names
+    # by identity: a hit must not reach the Python get (the miss handler), a miss must.
+    table = torch_tma._C.Table("cpu", 0)
+    misses = []
+    get = torch_tma._C.make_fast_get(table, lambda *args, **kwargs: misses.append(args) or "missed")
+    weight = torch.randn(128, 64)
+    swizzle, l2 = int(torch_tma.Swizzle.B128), int(torch_tma.L2Promotion.L2_256B)
+    table.insert(weight, (64, 128), None, 0, swizzle, l2, 0, -1, "the bound entry")
+    assert torch_tma._C.linear_lookup_for_test(get, weight, (64, 128), swizzle, l2) == "the bound entry"
+    assert misses == [] and table.hits == 1
+    assert torch_tma._C.linear_lookup_for_test(get, weight.clone(), (64, 128), swizzle, l2) == "missed"
+    assert len(misses) == 1
+
+
 def test_ffi_call_passes_tensors_none_ints_and_the_stream():
     # The native CUDA kernel's call of the compiled kernel, made here on CPU tensors with a Python TVM-FFI
     # function in its place: checks the hand-declared TVM-FFI ABI (argument kinds, DLTensor views, stream).
@@ -422,6 +437,9 @@ def test_native_path_follows_new_weights_streams_and_alignment():
     torch.cuda.current_stream().wait_stream(stream)
     for out in (first, second):
         assert_matches_reference(out, *reference(x, weight, b))
+    # an invalid promotion never matches the remembered default (None): Python rejects it
+    with pytest.raises(ValueError, match="l2_promotion=-1"):
+        torch.ops.tma.linear(x, weight, b, l2_promotion=-1)
     # x one element off 16-byte alignment: the native checks hand it to Python, which falls back to F.linear
     offset = torch.randn(4 * 1024 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(4, 1024)
     slow = ops.native_stats()["slow_calls"]
