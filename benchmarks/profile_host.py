@@ -71,6 +71,8 @@ def assert_native(ops, x, weight) -> None:
 
 
 def run(n: int, k: int, m: int) -> None:
+    import tvm_ffi
+
     import torch_tma
     from torch_tma import ops
     from torch_tma.kernels import linear
@@ -92,7 +94,6 @@ def run(n: int, k: int, m: int) -> None:
     compiled, num_ctas = linear._launch_config(index, dtype, m, n, k, False)
     ws = linear._workspace(index)
     spec = weight_map.spec
-    import tvm_ffi
     ffi_args = [tvm_ffi.from_dlpack(t) for t in (x, weight, out, ws.partials, ws.arrivals)]
     encode_args = (int(spec.data_type), spec.address, spec.dims, spec.strides, spec.box, spec.elem_strides,
                    int(spec.interleave), int(spec.swizzle), int(spec.l2_promotion), int(spec.oob_fill), index)

@@ -11,7 +11,7 @@
 //
 // Nothing here links against TVM-FFI: libtvm_ffi.so is opened by path on the first remembered launch (the
 // Python side already loaded it to run the DSL). The few C ABI types used are declared below; the CPU tests call
-// a Python TVM-FFI function through `ffi_call_for_test` to check them (tests/test_native_op.py).
+// a Python TVM-FFI function through `ffi_call_for_test` to check them (tests/test_ops.py).
 #include "linear_op.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -126,9 +126,8 @@ DLTensor dl_view(const at::Tensor& t) {
 }
 
 // Calls a TVM-FFI function with tensors (None for an undefined one), ints, then trailing_nones Nones, with `stream`
-// as the environment
-// stream of CUDA device `device` for the duration of the call (what tvm_ffi's Python call does for torch tensors).
-// Throws with the function's own error message.
+// as the environment stream of CUDA device `device` for the duration of the call (what tvm_ffi's Python call does
+// for torch tensors). Throws with the function's own error message.
 void ffi_call(void* fn, const std::vector<const at::Tensor*>& tensors, const std::vector<int64_t>& ints,
               int64_t trailing_nones, int device, void* stream) {
   std::array<DLTensor, 8> views{};
@@ -170,7 +169,6 @@ class FfiRef {
   ~FfiRef() { ffi.object_dec_ref(handle_); }
   FfiRef(const FfiRef&) = delete;
   FfiRef& operator=(const FfiRef&) = delete;
-  void* get() const { return handle_; }
 
  private:
   void* handle_;
