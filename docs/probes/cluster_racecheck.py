@@ -9,7 +9,7 @@ drained ring (M=64, 3 CTAs; M=16, 8 CTAs). Each output is checked against the fl
 on a wrong result. The references are computed on the CPU. Each step prints the seconds since the start, so a run
 cut short shows whether it stopped in the compile, the launch or the check. On the H200 (2026-12-03) it completes
 without the tool and did not finish in 230 s under racecheck; with `--n 128 --k 256 --case 1:2` (one tile, 2 CTAs)
-it compiled in 0.5 s, launched, and the launch had not finished 439 s later (docs/validation.md).
+it compiled in 0.5 s, launched, and printed nothing more before a 439 s timeout stopped it (docs/validation.md).
 """
 
 import argparse
