@@ -48,7 +48,8 @@ def variants(linear):
     shipped = linear.DEFAULT_OPTIONS._replace(trace=True)
     return {"shipped": shipped, "stream-k": shipped._replace(cluster_split=0),
             "stream-k-no-pdl": shipped._replace(cluster_split=0, pdl=False, weight_before_wait=False),
-            "cluster2": shipped._replace(cluster_split=2)}
+            "cluster2": shipped._replace(cluster_split=2, cluster_fit=False),
+            "stacked": shipped._replace(cluster_fit=False)}
 
 
 def summarize(trace, fields, calls):
@@ -106,6 +107,7 @@ def main():
     assert torch.cuda.get_device_capability() == (9, 0), "this script is for Hopper (sm_90)"
     device = torch.device("cuda")
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    capacity = linear.cluster_capacity(device.index or 0)
     cache = torch_tma.default_cache(device)
     stream = torch.cuda.Stream()
     fields = linear.TRACE_FIELDS
@@ -131,7 +133,7 @@ def main():
         cublas_us = {"back to back": graph_time_us(cublas, stream)[1],
                      "in situ": graph_time_us([c for f in cublas for c in (feed, f)], stream)[1] * 2 - feed_us}
         for name, o in table.items():
-            o = linear.options_for(o, n, k, m, sm_count)
+            o = linear.options_for(o, n, k, m, sm_count, capacity)
             compiled = linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), False, "", o)
             num_ctas = linear.grid_size(n, k, sm_count, o)
             trace = torch.zeros(calls, num_ctas, len(fields), dtype=torch.int64, device=device)

@@ -90,6 +90,14 @@ void load_ffi(const std::string& path) {
   ffi = f;
 }
 
+// The TVMFFIObjectHandle of a tvm_ffi.Function (its __chandle__), after loading the library it lives in.
+void* ffi_handle(const py::object& function, const std::string& ffi_library) {
+  load_ffi(ffi_library);
+  void* handle = reinterpret_cast<void*>(function.attr("__chandle__")().cast<uintptr_t>());
+  TORCH_CHECK(handle, "torch_tma: the compiled kernel has no TVM-FFI handle");
+  return handle;
+}
+
 // The message of the error a failed TVMFFIFunctionCall raised; releases the error.
 std::string take_ffi_error() {
   void* err = nullptr;
@@ -340,9 +348,7 @@ void remember_launch(const at::Tensor& weight, int64_t M, bool has_bias, std::op
                      py::object get, py::object box, int64_t swizzle, int64_t l2, py::object function,
                      int64_t trailing_nones, int64_t num_ctas, const std::string& ffi_library) {
   TORCH_CHECK(weight.is_cuda() && weight.dim() == 2, "torch_tma: remember_launch needs the launch's CUDA weight");
-  load_ffi(ffi_library);
-  void* fn = reinterpret_cast<void*>(function.attr("__chandle__")().cast<uintptr_t>());
-  TORCH_CHECK(fn, "torch_tma: the compiled kernel has no TVM-FFI handle");
+  void* fn = ffi_handle(function, ffi_library);
   PlanKey key{weight.get_device(), static_cast<int>(weight.scalar_type()), M, weight.size(0), weight.size(1),
               has_bias, l2_arg};
   Plan plan{std::move(get), std::move(box), py::int_(swizzle), py::int_(l2), std::move(function), fn, trailing_nones,
@@ -378,8 +384,7 @@ py::object lookup_for_test(py::object get, const at::Tensor& weight, py::object 
 void ffi_call_for_test(py::object fn, const std::vector<std::optional<at::Tensor>>& tensors,
                        const std::vector<int64_t>& ints, int64_t trailing_nones, uintptr_t stream,
                        const std::string& ffi_library) {
-  load_ffi(ffi_library);
-  void* handle = reinterpret_cast<void*>(fn.attr("__chandle__")().cast<uintptr_t>());
+  void* handle = ffi_handle(fn, ffi_library);
   std::vector<const at::Tensor*> ptrs;
   for (const auto& t : tensors) ptrs.push_back(t ? &*t : nullptr);
   ffi_call(handle, ptrs, ints, trailing_nones, 0, reinterpret_cast<void*>(stream));

@@ -60,9 +60,11 @@ OPTION_VARIANTS = [
     linear.KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                          early_trigger=False, wgmma_in_flight=2),
     linear.KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, wgmma_in_flight=2),
+    linear.DEFAULT_OPTIONS._replace(cluster_fit=False),
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
-              f"-cluster{o.cluster_split}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}" for o in OPTION_VARIANTS]
+              f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
+              for o in OPTION_VARIANTS]
 
 
 def _ptx_and_cubin(dtype, m_pad, has_bias, tmp_path, options=linear.DEFAULT_OPTIONS):
@@ -204,7 +206,7 @@ def test_cluster_split_compiles(m_pad, cluster_k, tmp_path):
     counters); its ring and received partials fit the CTA's share of shared memory. Partials above
     OWN_PARTIAL_BYTES land in CTA 0's ring: there CTA 0 also waits on the cluster barrier and then tells each
     sender, with a remote mbarrier arrive released at cluster scope, that its ring is drained."""
-    options = linear.DEFAULT_OPTIONS._replace(cluster_split=2, cluster_k=cluster_k)
+    options = linear.DEFAULT_OPTIONS._replace(cluster_split=2, cluster_fit=False, cluster_k=cluster_k)
     ptx, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, tmp_path, options)
     sends = re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32", ptx)
     assert len(sends) == m_pad // 4, sends
@@ -294,6 +296,29 @@ def test_cluster_k_for_policy():
         linear.KernelOptions(cluster_max_k=9).check()
     with pytest.raises(ValueError, match="cluster_max_m_pad"):
         linear.KernelOptions(cluster_max_m_pad=12).check()
+
+
+def test_cluster_k_for_fits_every_cluster_at_once():
+    """Given the GPU's cluster capacity (clusters of 1..8 CTAs it runs at once, one CTA per SM), cluster_k drops until
+    every row tile's cluster runs at once; without it, or with cluster_fit off, sm_count // row tiles as before."""
+    sms = 132
+    capacity = (132, 66, 40, 30, 24, 18, 16, 16)  # made up, GPC-like: 4 x 30 = 120 < 132
+    assert linear.cluster_k_for(4096, 4096, 8, sms, 1, 2) == 4  # 32 row tiles: 132 // 32
+    assert linear.cluster_k_for(4096, 4096, 8, sms, 1, 2, capacity=capacity) == 3  # 32 clusters of 4 > 30
+    assert linear.cluster_k_for(4096, 4096, 8, sms, 1, 2, capacity=capacity[:2] + (31,) + capacity[3:]) == 2
+    assert linear.cluster_k_for(6144, 4096, 8, sms, 1, 2, capacity=capacity) == 2  # 48 <= 66
+    assert linear.cluster_k_for(1024, 4096, 8, sms, 1, 2, capacity=capacity) == 8  # 8 <= 16
+    assert linear.cluster_k_for(4096, 4096, 64, sms, 1, 2, capacity=capacity) == 3  # the ring's bound, 32 <= 40
+    assert linear.cluster_k_for(10240, 8192, 8, sms, 1, 2, capacity=capacity) == 1  # 80 tiles: no cluster
+    fit = linear.DEFAULT_OPTIONS
+    assert fit.cluster_fit  # the shipped policy (sweep run 6)
+    assert linear.options_for(fit, 4096, 14336, 1, sms, capacity).cluster_k == 3
+    assert linear.options_for(fit._replace(cluster_fit=False), 4096, 14336, 1, sms, capacity).cluster_k == 4
+    assert linear.options_for(fit._replace(cluster_split=0), 4096, 14336, 1, sms).cluster_k == 0  # stream-K: no need
+    with pytest.raises(ValueError, match="cluster_capacity"):
+        linear.options_for(fit, 4096, 14336, 1, sms)  # fit without the GPU's numbers: refused, not ignored
+    with pytest.raises(ValueError, match="cluster_fit"):
+        fit._replace(cluster_split=2).check()  # two CTAs per SM: the count does not apply
 
 
 # ---- CPU: the descriptor contract with the op --------------------------------------------------------
@@ -452,12 +477,26 @@ def test_cluster_split_numerics(cluster_k):
     """Every cluster size on benchmark and ragged shapes, M around every m_pad whose partials fit (in a buffer of
     their own or in CTA 0's ring), with and without bias: each output element matches the float64 reference
     (NaN-poisoned before the launch)."""
-    options = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_k=cluster_k)
+    options = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_fit=False, cluster_k=cluster_k)
     for n, k in [(4096, 4096), (1024, 4096), (6144, 4096), (1000, 1000), (129, 520), (8, 256)]:
         for m in (1, 2, 7, 8, 9, 16, 17, 32, 33, 64):
             if cluster_k > -(-k // linear.TILE_K) or not linear._fits_cluster(linear.m_pad(m), cluster_k, 2):
                 continue
             _check_build(options, m, n, k, m % 2 == 1, f"cluster_k={cluster_k} {n}x{k} M={m}")
+
+
+@on_gpu
+def test_cluster_capacity_from_the_driver():
+    """The driver's count of clusters of 1..8 CTAs running at once with one CTA per SM: every SM for single CTAs,
+    never more CTAs than SMs, fewer clusters as they grow; and what the policy then picks for 32 row tiles."""
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    capacity = linear.cluster_capacity(0)
+    assert len(capacity) == linear.MAX_CLUSTER_K and capacity[0] == sm_count, capacity
+    for k, clusters in enumerate(capacity, 1):
+        assert 1 <= clusters <= sm_count // k, (k, capacity)
+    assert list(capacity) == sorted(capacity, reverse=True), capacity
+    fit = linear.options_for(linear.DEFAULT_OPTIONS, 4096, 4096, 1, sm_count, capacity)
+    assert capacity[fit.cluster_k - 1] >= 32 and (fit.cluster_k == 8 or capacity[fit.cluster_k] < 32), (fit, capacity)
 
 
 @on_gpu
@@ -529,7 +568,8 @@ def _launch_chain(options, problems, outs, partials, arrivals):
     sharing one workspace: with pdl each launch overlaps the previous one's tail."""
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for (x, weight, b, weight_map), out in zip(problems, outs):
-        shaped = linear.options_for(options, weight.shape[0], weight.shape[1], x.shape[0], sm_count)
+        shaped = linear.options_for(options, weight.shape[0], weight.shape[1], x.shape[0], sm_count,
+                                    linear.cluster_capacity(0))
         compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(x.shape[0]), b is not None, "", shaped)
         num_ctas = linear.grid_size(weight.shape[0], weight.shape[1], sm_count, shaped)
         compiled(x, weight, b, out, partials, arrivals, weight_map.ptr, num_ctas)

@@ -151,6 +151,9 @@ class KernelOptions(NamedTuple):
         Static: part of the compiled kernel. Set by options_for(), not by hand.
     cluster_max_k, cluster_max_m_pad: bounds of the cluster_split policy (cluster_k_for): at most cluster_max_k CTAs
         per row tile, and stream-K for M padded above cluster_max_m_pad. (4, 16) is the policy measured first.
+    cluster_fit: with cluster_split=1 (refused with 2), lower cluster_k until the GPU runs every row tile's cluster at once with one
+        CTA per SM (cluster_capacity: clusters live inside one GPC, so an H200 places 30 clusters of 4 that way, not
+        33). False keeps sm_count // row tiles: 32 row tiles then get clusters of 4, and 8 SMs run two CTAs.
     wgmma_in_flight: stages whose wgmma may be running at once. 1: wait for a stage's wgmma, release the stage,
         then wait for the next one. 2: issue the next stage's wgmma before waiting for the previous one (released
         one stage late), so the tensor cores never wait for the warpgroup's round trip.
@@ -172,6 +175,7 @@ class KernelOptions(NamedTuple):
     cluster_k: int = 0
     cluster_max_k: int = MAX_CLUSTER_K
     cluster_max_m_pad: int = M_PADS[-1]
+    cluster_fit: bool = False
     wgmma_in_flight: int = 1
     late_first_cta_ns: int = 0
     trace: bool = False
@@ -201,6 +205,9 @@ class KernelOptions(NamedTuple):
         if self.late_first_cta_ns < 0 or (self.late_first_cta_ns and self.cluster_k < 2):
             raise ValueError(f"KernelOptions.late_first_cta_ns must be >= 0, and 0 unless cluster_k >= 2, got "
                              f"{self.late_first_cta_ns!r} with cluster_k={self.cluster_k!r}")
+        if self.cluster_fit and self.cluster_split == 2:
+            raise ValueError("KernelOptions.cluster_fit counts clusters at one CTA per SM: it cannot go with "
+                             "cluster_split=2")
         if not 1 <= self.cluster_max_k <= MAX_CLUSTER_K or self.cluster_max_m_pad not in M_PADS:
             raise ValueError(f"KernelOptions.cluster_max_k must be 1..{MAX_CLUSTER_K} and cluster_max_m_pad one of "
                              f"{M_PADS}, got {self.cluster_max_k!r}, {self.cluster_max_m_pad!r}")
@@ -225,7 +232,13 @@ class KernelOptions(NamedTuple):
 # 0.999x in situ; 4096x4096 M=64 17.14 -> 14.09 us, 1024x4096 M=1 6.08 -> 5.75 us (cuBLAS 11.72 / 6.96). Keeping a
 # second stage's wgmma in flight (wgmma_in_flight=2) was slower: 1.012x vs 1.032x back to back, 0.998x vs 1.018x in
 # situ (run 5).
-DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1)
+# Sweep run 6 (2026-12-03, docs/results/sweep-linear-h200-run6.*): cluster_fit (clusters no larger than lets all row
+# tiles' clusters run at once, one CTA per SM; the H200 runs 30 clusters of 4, 39 of 3) changes only 32-row-tile
+# shapes, from 4 CTAs per tile (8 SMs running two) to 3: 4096x4096 M=32 13.67 -> 12.61 us back to back, 13.88 ->
+# 12.77 in situ (cuBLAS 12.92 / 12.77), M=16 2.3 % faster; 4096x14336 M=32 3 % faster, M=1 and M=16 0.7-0.9 %
+# slower. The trace (run 4) shows the same streaming spread across CTAs with or without two CTAs on an SM.
+DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
+                                cluster_fit=True)
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -258,6 +271,20 @@ def crossover_m(N: int, K: int, dtype: torch.dtype) -> int:
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def cluster_capacity(device_index: int) -> tuple[int, ...]:
+    """Clusters of 1..MAX_CLUSTER_K CTAs (item k - 1) that CUDA device `device_index` runs at once with one CTA per SM.
+
+    The driver's occupancy calculator (cuOccupancyMaxActiveClusters, through the DSL's HardwareInfo, for a block
+    that takes a whole SM's shared memory). A cluster runs inside one GPC, so the count is below sm_count // k
+    where GPC sizes are not multiples of k. Compiles and loads one empty kernel: once per device and process.
+    """
+    with torch.cuda.device(device_index):
+        torch.cuda.synchronize()  # the device's primary context is current on this thread
+        info = cutlass.utils.HardwareInfo(device_index)
+        return tuple(info.get_max_active_clusters(k) for k in range(1, MAX_CLUSTER_K + 1))
 
 
 @functools.cache
@@ -380,11 +407,12 @@ def _fits_cluster(m_pad_: int, cluster_k: int, smem_slots: int) -> bool:
 
 
 def cluster_k_for(N: int, K: int, m_pad_: int, sm_count: int, ctas_per_sm: int, smem_slots: int = 0,
-                  max_k: int = MAX_CLUSTER_K, max_m_pad: int = M_PADS[-1]) -> int:
+                  max_k: int = MAX_CLUSTER_K, max_m_pad: int = M_PADS[-1], capacity: tuple[int, ...] = ()) -> int:
     """CTAs per row tile of a cluster-split launch for an N x K weight, or 0 where the shape takes stream-K.
 
     Every row tile gets one cluster, as many CTAs as ctas_per_sm per SM allows (at most max_k, one 64-column
-    block each, and no more than the received partials fit: _fits_cluster). With more row tiles than that, one CTA
+    block each, and no more than the received partials fit: _fits_cluster), and, given capacity (cluster_capacity),
+    no more than lets every row tile's cluster run at once. With more row tiles than that, one CTA
     per row tile (no cluster) while the grid fits with smem_slots (default ctas_per_sm) CTAs per SM, the whole grid
     resident at once; stream-K beyond, and for m_pad above max_m_pad.
     """
@@ -395,14 +423,17 @@ def cluster_k_for(N: int, K: int, m_pad_: int, sm_count: int, ctas_per_sm: int, 
     if tiles > sm_count * ctas_per_sm:
         return 1
     cluster_k = min(max_k, k_blocks, sm_count * ctas_per_sm // tiles)
-    while cluster_k > 1 and not _fits_cluster(m_pad_, cluster_k, smem_slots):
+    while cluster_k > 1 and (not _fits_cluster(m_pad_, cluster_k, smem_slots)
+                             or (capacity and capacity[cluster_k - 1] < tiles)):
         cluster_k -= 1
     return cluster_k
 
 
-def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int) -> "KernelOptions":
+def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
+                capacity: tuple[int, ...] = ()) -> "KernelOptions":
     """options resolved for one problem shape: cluster_k set from the cluster_split policy (cluster_k_for), and a
-    cluster-split build never triggers its dependents early.
+    cluster-split build never triggers its dependents early. capacity: the GPU's cluster_capacity, needed when
+    options.cluster_fit.
 
     Why not early: with the trigger at CTA start, the next launch's CTAs take the second slot of SMs this launch
     runs on, and cluster placement then piles two CTAs of one launch on many SMs (benchmarks/trace_linear.py on
@@ -411,8 +442,12 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int)
     """
     if not options.cluster_split:
         return options._replace(cluster_k=0)
+    if options.cluster_fit and len(capacity) != MAX_CLUSTER_K:
+        raise ValueError(f"options_for: KernelOptions.cluster_fit needs the GPU's cluster_capacity (one count per "
+                         f"cluster size 1..{MAX_CLUSTER_K}), got {capacity!r}")
     cluster_k = cluster_k_for(N, K, m_pad(M), sm_count, options.cluster_split, options.smem_slots,
-                              options.cluster_max_k, options.cluster_max_m_pad)
+                              options.cluster_max_k, options.cluster_max_m_pad,
+                              capacity if options.cluster_fit else ())
     if cluster_k:
         return options._replace(cluster_k=cluster_k, early_trigger=False)
     return options._replace(cluster_k=0)
@@ -993,7 +1028,8 @@ def _launch_config(device_index: int, dtype: torch.dtype, M: int, N: int, K: int
     """(compiled kernel, num_ctas) of one problem shape: compile_kernel's cache key and the grid, worked out
     once per shape rather than on every call."""
     sm_count = _sm_count(device_index)
-    options = options_for(DEFAULT_OPTIONS, N, K, M, sm_count)
+    capacity = cluster_capacity(device_index) if DEFAULT_OPTIONS.cluster_fit else ()
+    options = options_for(DEFAULT_OPTIONS, N, K, M, sm_count, capacity)
     compiled = compile_kernel(_DTYPES[dtype], m_pad(M), has_bias, options=options)
     return compiled, grid_size(N, K, sm_count, options)
 
