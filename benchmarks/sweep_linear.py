@@ -3,13 +3,15 @@
     timeout 300 python benchmarks/sweep_linear.py [--csv PATH]     # < 4 min on an H200
 
 For each variant (the shipped defaults; "stacked": as many CTAs per row tile as sm_count // row tiles, even where
-not every cluster then runs at once with one CTA per SM, the default before run 6; stream-K; earlier runs also swept the cluster split's bounds, a second wgmma in flight,
-PDL, the descriptor fence scope, shares of the shared memory and two CTAs per SM: see docs/linear.md), each
-shape N x K in SHAPES and M in MS (bf16, no bias): first validate the variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| +
-eps * max|ref64|, output poisoned with NaN before the launch), then time it as CUDA events around replays
-of one CUDA graph of back-to-back calls, each on the next of several weight copies (together ~7x the 60 MB
-L2). cuBLAS (F.linear) is timed the same way in the same run. Variants launch the compiled kernel directly
-with their own split-K workspace, so the host path (linear_out) is not involved.
+not every cluster then runs at once with one CTA per SM, the default before run 6; "param-desc": the weight loaded
+through the TMA atom's own descriptor, a kernel parameter, instead of torch_tma's device-resident one and its fence,
+to measure what that costs; stream-K; earlier runs also swept the cluster split's bounds, a second wgmma in flight,
+PDL, the descriptor fence scope, shares of the shared memory and two CTAs per SM: see docs/linear.md), each shape
+N x K in SHAPES and M in MS (bf16, no bias): first validate the variant's output against the float64 reference
+(|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|, output poisoned with NaN before the launch), then time
+it as CUDA events around replays of one CUDA graph of back-to-back calls, each on the next of several weight
+copies (together ~7x the 60 MB L2). cuBLAS (F.linear) is timed the same way in the same run. Variants launch the
+compiled kernel directly with their own split-K workspace, so the host path (linear_out) is not involved.
 
 "In situ" (the IN_SITU variants and cuBLAS): the same graph with a small elementwise kernel on x before every
 call (x *= 1), as in a model where a norm or an activation feeds each linear layer; the time per call is the
@@ -40,7 +42,7 @@ from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us, in_s
 SHAPES = [(1024, 4096), (4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (28672, 4096), (10240, 8192),
           (8192, 28672), (57344, 8192)]
 MS = (1, 16, 32, 64)
-IN_SITU = ("shipped", "stacked", "stream-k")
+IN_SITU = ("shipped", "stacked", "param-desc", "stream-k")
 CALLS_PER_GRAPH = 40
 
 
@@ -51,6 +53,7 @@ def variants(linear):
     return {
         "shipped": shipped,
         "stacked": shipped._replace(cluster_fit=False),  # sm_count // row tiles per cluster: some SMs run two CTAs
+        "param-desc": shipped._replace(weight_descriptor="param"),  # the atom's own descriptor, a kernel parameter
         "stream-k": shipped._replace(cluster_split=0),  # the default before the cluster split
     }
 

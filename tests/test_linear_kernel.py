@@ -98,6 +98,20 @@ def test_kernel_compiles_for_sm90a(dtype, m_pad, has_bias, tmp_path):
     assert mma == {(f"m64n{m_pad}k16", ab, ab)}, mma
 
 
+def test_param_descriptor_build_loads_the_weight_without_our_descriptor(tmp_path):
+    """The measurement build weight_descriptor="param" loads W through the atom's own descriptor (a kernel parameter):
+    no tensormap fence, and no load reads through the Int64 argument the shipped build fences."""
+    options = linear.DEFAULT_OPTIONS._replace(weight_descriptor="param", cluster_k=3)
+    ptx, _ = _ptx_and_cubin(torch.bfloat16, 8, False, tmp_path, options)
+    assert "fence.proxy.tensormap" not in ptx
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\S* \[[^\]]+\], \[(%rd\d+), \{", ptx)
+    assert len(loads) == 4, loads  # weight before and after the PDL wait, x after it: four sites as shipped
+    for register in loads:  # each one a 128-byte kernel parameter's address
+        assert re.search(r"cvta\.param\.u64\s+" + re.escape(register) + r", ", ptx), register
+    with pytest.raises(ValueError, match="weight_descriptor"):
+        options._replace(weight_descriptor="global").check()
+
+
 def _nvdisasm():
     found = shutil.which("nvdisasm")
     if found:

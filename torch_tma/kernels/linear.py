@@ -157,6 +157,11 @@ class KernelOptions(NamedTuple):
     wgmma_in_flight: stages whose wgmma may be running at once. 1: wait for a stage's wgmma, release the stage,
         then wait for the next one. 2: issue the next stage's wgmma before waiting for the previous one (released
         one stage late), so the tensor cores never wait for the warpgroup's round trip.
+    weight_descriptor: "cache" (what the op ships): the weight is loaded through torch_tma's device-resident descriptor
+        at weight_map, acquired with the fence above. "param": a measurement build that loads it through the TMA
+        atom's own descriptor, which CuTe DSL passes as a kernel parameter (fixed 128B promotion, built on the host at
+        every launch and frozen into a CUDA graph at capture, so a refresh cannot reach it); no fence. What the
+        device-resident descriptor costs on the GPU is the difference (benchmarks/sweep_linear.py).
     late_first_cta_ns: a test build: in a cluster-split build, CTA 0 of each cluster spins this many nanoseconds
         (on %globaltimer) after its last wgmma, before it says its ring is drained or waits for the partials, so
         the other CTAs reach their waits before CTA 0 arrives (tests/test_linear_kernel.py). 0 in shipped builds.
@@ -177,6 +182,7 @@ class KernelOptions(NamedTuple):
     cluster_max_m_pad: int = M_PADS[-1]
     cluster_fit: bool = False
     wgmma_in_flight: int = 1
+    weight_descriptor: str = "cache"
     late_first_cta_ns: int = 0
     trace: bool = False
 
@@ -200,6 +206,8 @@ class KernelOptions(NamedTuple):
         if not 0 <= self.cluster_k <= MAX_CLUSTER_K or (self.cluster_k and self.ctas_per_sm != 1):
             raise ValueError(f"KernelOptions.cluster_k must be 0..{MAX_CLUSTER_K} (with ctas_per_sm=1), "
                              f"got {self.cluster_k!r}")
+        if self.weight_descriptor not in ("cache", "param"):
+            raise ValueError(f"KernelOptions.weight_descriptor must be 'cache' or 'param', got {self.weight_descriptor!r}")
         if self.wgmma_in_flight not in (1, 2):
             raise ValueError(f"KernelOptions.wgmma_in_flight must be 1 or 2, got {self.wgmma_in_flight!r}")
         if self.late_first_cta_ns < 0 or (self.late_first_cta_ns and self.cluster_k < 2):
@@ -662,8 +670,9 @@ class WeightStreamingLinear:
         trace, cta, tidx,
     ):
         """Warp 4: TMA-load weight block (tile, kb) and x block kb for every iteration of this CTA's run."""
-        # outside the elected copy branches, with the acquire fence
-        weight_map_ptr = tma_desc_ptr(weight_map, scope=self.options.fence_scope)
+        # outside the elected copy branches, with the acquire fence; None: the atom's own descriptor (a kernel parameter)
+        weight_map_ptr = (tma_desc_ptr(weight_map, scope=self.options.fence_scope)
+                          if cutlass.const_expr(self.options.weight_descriptor == "cache") else None)
         w_dst = cute.group_modes(w_tiles, 0, 2)
         x_dst = cute.group_modes(x_tiles, 0, 2)
         # Block coordinates in elements, carried across iterations rather than derived from `it`:
