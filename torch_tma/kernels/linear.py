@@ -11,7 +11,8 @@ How (160 threads per CTA):
   zero-fills x rows >= M and every row or column past N and K, so ragged edges cost no code.
 - Two ways to cut the work (KernelOptions.cluster_split; options_for() picks per shape):
   * Cluster split (wherever the grid fits: cluster_k_for). One thread-block cluster per 128-row tile,
-    cluster_k CTAs (up to 8, one CTA per SM) each stream an equal share of the tile's K. CTAs 1.. send their
+    cluster_k CTAs (up to 8, one CTA per SM, no more than lets every tile's cluster run at once: cluster_capacity)
+    each stream an equal share of the tile's K. CTAs 1.. send their
     fp32 partial into CTA 0's shared memory with st.async, counted in bytes on CTA 0's mbarrier: into a buffer
     of its own when small, else into CTA 0's weight ring once CTA 0 has said (remote mbarrier arrive) that it
     consumed its last stage. CTA 0 adds them in rank order (deterministic), adds the bias and writes y. No global
