@@ -2,11 +2,11 @@
 
     timeout 300 python benchmarks/sweep_linear.py [--csv PATH]     # < 4 min on an H200
 
-For each variant (the shipped defaults; "stacked": as many CTAs per row tile as sm_count // row tiles, even where
-not every cluster then runs at once with one CTA per SM, the default before run 6; "param-desc": the weight loaded
-through the TMA atom's own descriptor, a kernel parameter, instead of torch_tma's device-resident one and its fence,
-to measure what that costs; stream-K; earlier runs also swept the cluster split's bounds, a second wgmma in flight,
-PDL, the descriptor fence scope, shares of the shared memory and two CTAs per SM: see docs/linear.md), each shape
+For each variant (the shipped defaults; "desc-at-entry": the weight descriptor acquired and prefetched by every
+thread at kernel entry; "param-desc": the weight loaded through the TMA atom's own descriptor, a kernel parameter,
+instead of torch_tma's device-resident one and its fence, to measure what that costs; earlier runs also swept
+stream-K, clusters that do not all run at once, the cluster split's bounds, a second wgmma in flight, PDL, the
+descriptor fence scope, shares of the shared memory and two CTAs per SM: see docs/linear.md), each shape
 N x K in SHAPES and M in MS (bf16, no bias): first validate the variant's output against the float64 reference
 (|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|, output poisoned with NaN before the launch), then time
 it as CUDA events around replays of one CUDA graph of back-to-back calls, each on the next of several weight
@@ -42,7 +42,7 @@ from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us, in_s
 SHAPES = [(1024, 4096), (4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (28672, 4096), (10240, 8192),
           (8192, 28672), (57344, 8192)]
 MS = (1, 16, 32, 64)
-IN_SITU = ("shipped", "stacked", "param-desc", "stream-k")
+IN_SITU = ("shipped", "desc-at-entry", "param-desc")
 CALLS_PER_GRAPH = 40
 
 
@@ -52,9 +52,8 @@ def variants(linear):
     shipped = linear.DEFAULT_OPTIONS
     return {
         "shipped": shipped,
-        "stacked": shipped._replace(cluster_fit=False),  # sm_count // row tiles per cluster: some SMs run two CTAs
+        "desc-at-entry": shipped._replace(descriptor_at_entry=True),  # descriptor fenced and prefetched at entry
         "param-desc": shipped._replace(weight_descriptor="param"),  # the atom's own descriptor, a kernel parameter
-        "stream-k": shipped._replace(cluster_split=0),  # the default before the cluster split
     }
 
 

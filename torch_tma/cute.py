@@ -86,7 +86,7 @@ _FENCE_SCOPES = ("sys", "gpu")
 
 
 @dsl_user_op
-def tma_desc_ptr(address, *, scope: str = "sys", loc=None, ip=None) -> cute.Pointer:
+def tma_desc_ptr(address, *, scope: str = "sys", prefetch: bool = False, loc=None, ip=None) -> cute.Pointer:
     """The TMA-descriptor pointer for the torch_tma slot at ``address``, acquired for this thread.
 
     Use inside ``@cute.kernel`` code: ``address`` is the slot's device address (``TensorMap.ptr``) passed
@@ -103,6 +103,9 @@ def tma_desc_ptr(address, *, scope: str = "sys", loc=None, ip=None) -> cute.Poin
     kernel opts in per compiled configuration once measured (shared/reference/h200-baseline.md
     found the ``.gpu`` fence free).
 
+    ``prefetch=True`` also issues ``prefetch.tensormap`` on the slot after the fence, so that the TMA unit starts
+    fetching the descriptor before its first copy.
+
     Call it once at kernel top level, by all threads, before any elected or predicated branch: the
     pointer computed inside such a branch can compile to an illegal predicated ``R2UR`` on sm_90a
     (NVIDIA/cutlass Hopper grouped GEMM example), and ``cute.copy`` already elects the issuing thread.
@@ -114,9 +117,11 @@ def tma_desc_ptr(address, *, scope: str = "sys", loc=None, ip=None) -> cute.Poin
     pointer_type = _cute_ir.PtrType.get(_cute_nvgpu_ir.TmaDescriptorTiledType.get(), cute.AddressSpace.generic,
                                         DESCRIPTOR_ALIGN)
     pointer = _cute_ir.inttoptr(pointer_type, aligned, loc=loc, ip=ip)
-    llvm.inline_asm(None, [address], f"fence.proxy.tensormap::generic.acquire.{scope} [$0], 128;", "l,~{memory}",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                    loc=loc, ip=ip)
+    asm = f"fence.proxy.tensormap::generic.acquire.{scope} [$0], 128;"
+    if prefetch:
+        asm += " prefetch.tensormap [$0];"
+    llvm.inline_asm(None, [address], asm, "l,~{memory}", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return pointer
 
 

@@ -158,6 +158,8 @@ class KernelOptions(NamedTuple):
     wgmma_in_flight: stages whose wgmma may be running at once. 1: wait for a stage's wgmma, release the stage,
         then wait for the next one. 2: issue the next stage's wgmma before waiting for the previous one (released
         one stage late), so the tensor cores never wait for the warpgroup's round trip.
+    descriptor_at_entry: acquire the weight descriptor (fence, then prefetch.tensormap) by every thread at kernel
+        entry, before the barriers are set up, instead of in the TMA warp just before its first load.
     weight_descriptor: "cache" (what the op ships): the weight is loaded through torch_tma's device-resident descriptor
         at weight_map, acquired with the fence above. "param": a measurement build that loads it through the TMA
         atom's own descriptor, which CuTe DSL passes as a kernel parameter (fixed 128B promotion, built on the host at
@@ -184,6 +186,7 @@ class KernelOptions(NamedTuple):
     cluster_fit: bool = False
     wgmma_in_flight: int = 1
     weight_descriptor: str = "cache"
+    descriptor_at_entry: bool = False
     late_first_cta_ns: int = 0
     trace: bool = False
 
@@ -598,6 +601,9 @@ class WeightStreamingLinear:
                 trace[cta, 9] = Int64(0)
                 trace[cta, 10] = Int64(cute.arch.smid())
 
+        weight_map_ptr = None  # the atom's own descriptor (weight_descriptor="param"), or acquired in load_run
+        if cutlass.const_expr(self.options.descriptor_at_entry and self.options.weight_descriptor == "cache"):
+            weight_map_ptr = tma_desc_ptr(weight_map, scope=self.options.fence_scope, prefetch=True)
         if cutlass.const_expr(self.options.pdl and self.options.early_trigger):
             cute.arch.griddepcontrol_launch_dependents()
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -648,8 +654,8 @@ class WeightStreamingLinear:
 
         if warp_idx == PRODUCER_WARP:
             self.load_run(
-                w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
-                trace, cta, tidx,
+                w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, weight_map_ptr, run_begin,
+                run_end, k_blocks, trace, cta, tidx,
             )
         if warp_idx < PRODUCER_WARP:
             if cutlass.const_expr(self.options.pdl):
@@ -667,13 +673,13 @@ class WeightStreamingLinear:
 
     @cute.jit
     def load_run(
-        self, w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
-        trace, cta, tidx,
+        self, w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, weight_map_ptr, run_begin,
+        run_end, k_blocks, trace, cta, tidx,
     ):
         """Warp 4: TMA-load weight block (tile, kb) and x block kb for every iteration of this CTA's run."""
-        # outside the elected copy branches, with the acquire fence; None: the atom's own descriptor (a kernel parameter)
-        weight_map_ptr = (tma_desc_ptr(weight_map, scope=self.options.fence_scope)
-                          if cutlass.const_expr(self.options.weight_descriptor == "cache") else None)
+        if cutlass.const_expr(self.options.weight_descriptor == "cache" and not self.options.descriptor_at_entry):
+            # outside the elected copy branches, with the acquire fence
+            weight_map_ptr = tma_desc_ptr(weight_map, scope=self.options.fence_scope)
         w_dst = cute.group_modes(w_tiles, 0, 2)
         x_dst = cute.group_modes(x_tiles, 0, 2)
         # Block coordinates in elements, carried across iterations rather than derived from `it`:
