@@ -2,8 +2,8 @@
 
     timeout 300 python benchmarks/sweep_linear.py [--csv PATH]     # < 4 min on an H200
 
-For each variant (the shipped defaults; "desc-at-entry": the weight descriptor acquired and prefetched by every
-thread at kernel entry; "param-desc": the weight loaded through the TMA atom's own descriptor, a kernel parameter,
+For each variant (the shipped defaults; "prefetch" and "prefetch-acquired": the TMA warp prefetches the weight
+descriptor at kernel entry, without or after the acquire fence (KernelOptions.descriptor_prefetch); "param-desc": the weight loaded through the TMA atom's own descriptor, a kernel parameter,
 instead of torch_tma's device-resident one and its fence, to measure what that costs; earlier runs also swept
 stream-K, clusters that do not all run at once, the cluster split's bounds, a second wgmma in flight, PDL, the
 descriptor fence scope, shares of the shared memory and two CTAs per SM: see docs/linear.md), each shape
@@ -42,7 +42,7 @@ from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us, in_s
 SHAPES = [(1024, 4096), (4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (28672, 4096), (10240, 8192),
           (8192, 28672), (57344, 8192)]
 MS = (1, 16, 32, 64)
-IN_SITU = ("shipped", "desc-at-entry", "param-desc")
+IN_SITU = ("shipped", "prefetch", "prefetch-acquired", "param-desc")
 CALLS_PER_GRAPH = 40
 
 
@@ -52,7 +52,8 @@ def variants(linear):
     shipped = linear.DEFAULT_OPTIONS
     return {
         "shipped": shipped,
-        "desc-at-entry": shipped._replace(descriptor_at_entry=True),  # descriptor fenced and prefetched at entry
+        "prefetch": shipped._replace(descriptor_prefetch="entry"),  # prefetch.tensormap at entry
+        "prefetch-acquired": shipped._replace(descriptor_prefetch="entry-acquired"),  # fence + prefetch at entry
         "param-desc": shipped._replace(weight_descriptor="param"),  # the atom's own descriptor, a kernel parameter
     }
 

@@ -50,7 +50,8 @@ def variants(linear):
             "stream-k-no-pdl": shipped._replace(cluster_split=0, pdl=False, weight_before_wait=False),
             "cluster2": shipped._replace(cluster_split=2, cluster_fit=False),
             "stacked": shipped._replace(cluster_fit=False), "param-desc": shipped._replace(weight_descriptor="param"),
-            "desc-at-entry": shipped._replace(descriptor_at_entry=True)}
+            "prefetch": shipped._replace(descriptor_prefetch="entry"),
+            "prefetch-acquired": shipped._replace(descriptor_prefetch="entry-acquired")}
 
 
 def summarize(trace, fields, calls):

@@ -112,16 +112,21 @@ def test_param_descriptor_build_loads_the_weight_without_our_descriptor(tmp_path
         options._replace(weight_descriptor="global").check()
 
 
-def test_descriptor_at_entry_build_acquires_before_the_barriers(tmp_path):
-    """descriptor_at_entry: the weight descriptor is fenced and prefetched before the first mbarrier is set up, and
-    every weight load reads through that fenced address."""
-    options = linear.DEFAULT_OPTIONS._replace(descriptor_at_entry=True, cluster_k=3)
+@pytest.mark.parametrize("where", ["entry", "entry-acquired"])
+def test_descriptor_prefetch_builds_prefetch_before_the_barriers(where, tmp_path):
+    """descriptor_prefetch: the TMA warp prefetches the weight descriptor (after a fence for "entry-acquired") before
+    the first mbarrier is set up, and the loads still read through the address tma_desc_ptr fences later."""
+    options = linear.DEFAULT_OPTIONS._replace(descriptor_prefetch=where, cluster_k=3)
     ptx, _ = _ptx_and_cubin(torch.bfloat16, 8, False, tmp_path, options)
-    (fenced,) = re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.sys \[(%rd\d+)\], 128; "
-                           r"prefetch\.tensormap \[(?:%rd\d+)\];", ptx)
-    assert ptx.index("fence.proxy.tensormap") < ptx.index("mbarrier.init")
+    fence = r"fence\.proxy\.tensormap::generic\.acquire\.sys \[(%rd\d+)\], 128;"
+    (early,) = re.findall((fence + " " if where == "entry-acquired" else "") + r"prefetch\.tensormap \[(%rd\d+)\];",
+                          ptx)
+    assert ptx.index("prefetch.tensormap") < ptx.index("mbarrier.init")
+    late = [m for m in re.finditer(fence + r"\n", ptx) if m.start() > ptx.index("mbarrier.init")]
     loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\S* \[[^\]]+\], \[(%rd\d+), \{", ptx)
-    assert len(loads) == 4 and loads.count(fenced) == 2, (fenced, loads)
+    assert len(late) == 1 and loads.count(late[0].group(1)) == 2, (early, late, loads)
+    with pytest.raises(ValueError, match="descriptor_prefetch"):
+        options._replace(descriptor_prefetch="start").check()
 
 
 def _nvdisasm():

@@ -37,7 +37,7 @@ import importlib.metadata
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -72,7 +72,7 @@ from .cache import BoundTensorMap, TensorMap, TensorMapCache, default_cache  # n
 from .layout import DESCRIPTOR_BYTES, decode  # noqa: E402
 from .spec import ELEMENT_BYTES, DataType, Interleave, L2Promotion, OOBFill, Swizzle, TensorMapSpec  # noqa: E402
 
-__all__ = ["SUPPORTED_DSL", "tma_desc_ptr", "AtomPlan", "plan_atom", "atom_tensor_map",
+__all__ = ["SUPPORTED_DSL", "tma_desc_ptr", "prefetch_tma_desc", "AtomPlan", "plan_atom", "atom_tensor_map",
            "bind_atom_tensor_map", "atom_descriptor"]
 
 # The TMA unit requires descriptor addresses aligned to 64 bytes; torch_tma's slots are at least that.
@@ -86,7 +86,7 @@ _FENCE_SCOPES = ("sys", "gpu")
 
 
 @dsl_user_op
-def tma_desc_ptr(address, *, scope: str = "sys", prefetch: bool = False, loc=None, ip=None) -> cute.Pointer:
+def tma_desc_ptr(address, *, scope: str = "sys", loc=None, ip=None) -> cute.Pointer:
     """The TMA-descriptor pointer for the torch_tma slot at ``address``, acquired for this thread.
 
     Use inside ``@cute.kernel`` code: ``address`` is the slot's device address (``TensorMap.ptr``) passed
@@ -103,9 +103,6 @@ def tma_desc_ptr(address, *, scope: str = "sys", prefetch: bool = False, loc=Non
     kernel opts in per compiled configuration once measured (shared/reference/h200-baseline.md
     found the ``.gpu`` fence free).
 
-    ``prefetch=True`` also issues ``prefetch.tensormap`` on the slot after the fence, so that the TMA unit starts
-    fetching the descriptor before its first copy.
-
     Call it once at kernel top level, by all threads, before any elected or predicated branch: the
     pointer computed inside such a branch can compile to an illegal predicated ``R2UR`` on sm_90a
     (NVIDIA/cutlass Hopper grouped GEMM example), and ``cute.copy`` already elects the issuing thread.
@@ -117,12 +114,29 @@ def tma_desc_ptr(address, *, scope: str = "sys", prefetch: bool = False, loc=Non
     pointer_type = _cute_ir.PtrType.get(_cute_nvgpu_ir.TmaDescriptorTiledType.get(), cute.AddressSpace.generic,
                                         DESCRIPTOR_ALIGN)
     pointer = _cute_ir.inttoptr(pointer_type, aligned, loc=loc, ip=ip)
-    asm = f"fence.proxy.tensormap::generic.acquire.{scope} [$0], 128;"
-    if prefetch:
-        asm += " prefetch.tensormap [$0];"
+    _tensormap_asm(address, f"fence.proxy.tensormap::generic.acquire.{scope} [$0], 128;", loc, ip)
+    return pointer
+
+
+@dsl_user_op
+def prefetch_tma_desc(address, *, acquire: Optional[str] = None, loc=None, ip=None) -> None:
+    """Start fetching the torch_tma slot at ``address`` into the TMA unit's descriptor cache (``prefetch.tensormap``).
+
+    For ``@cute.kernel`` code that wants the fetch to overlap its set-up (barriers, pipeline state): issue it early,
+    in the thread that later loads through ``tma_desc_ptr(address)``. ``acquire="sys"`` or ``"gpu"`` issues
+    ``tma_desc_ptr``'s fence before the prefetch; either way the loads still take their pointer from
+    ``tma_desc_ptr``, which fences again, so a prefetch cannot make a load read stale bytes.
+    """
+    if acquire is not None and acquire not in _FENCE_SCOPES:
+        raise ValueError(f"prefetch_tma_desc: acquire must be None or one of {_FENCE_SCOPES}, got {acquire!r}")
+    fence = "" if acquire is None else f"fence.proxy.tensormap::generic.acquire.{acquire} [$0], 128; "
+    _tensormap_asm(Int64(address).ir_value(loc=loc, ip=ip), fence + "prefetch.tensormap [$0];", loc, ip)
+
+
+def _tensormap_asm(address, asm: str, loc, ip) -> None:
+    """Inline PTX on one 64-bit address operand ($0), with side effects and a memory clobber."""
     llvm.inline_asm(None, [address], asm, "l,~{memory}", has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return pointer
 
 
 # --------------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..cache import long_lived_empty
-from ..cute import tma_desc_ptr
+from ..cute import prefetch_tma_desc, tma_desc_ptr
 from ..spec import L2Promotion, Swizzle
 
 __all__ = [
@@ -158,8 +158,9 @@ class KernelOptions(NamedTuple):
     wgmma_in_flight: stages whose wgmma may be running at once. 1: wait for a stage's wgmma, release the stage,
         then wait for the next one. 2: issue the next stage's wgmma before waiting for the previous one (released
         one stage late), so the tensor cores never wait for the warpgroup's round trip.
-    descriptor_at_entry: acquire the weight descriptor (fence, then prefetch.tensormap) by every thread at kernel
-        entry, before the barriers are set up, instead of in the TMA warp just before its first load.
+    descriptor_prefetch: "" (shipped): the TMA warp acquires the weight descriptor just before its first load. "entry":
+        it also issues prefetch.tensormap at kernel entry, before the barriers are set up; "entry-acquired": the
+        fence and then the prefetch at entry (prefetch_tma_desc). Either way the loads acquire it again.
     weight_descriptor: "cache" (what the op ships): the weight is loaded through torch_tma's device-resident descriptor
         at weight_map, acquired with the fence above. "param": a measurement build that loads it through the TMA
         atom's own descriptor, which CuTe DSL passes as a kernel parameter (fixed 128B promotion, built on the host at
@@ -186,7 +187,7 @@ class KernelOptions(NamedTuple):
     cluster_fit: bool = False
     wgmma_in_flight: int = 1
     weight_descriptor: str = "cache"
-    descriptor_at_entry: bool = False
+    descriptor_prefetch: str = ""
     late_first_cta_ns: int = 0
     trace: bool = False
 
@@ -212,6 +213,9 @@ class KernelOptions(NamedTuple):
                              f"got {self.cluster_k!r}")
         if self.weight_descriptor not in ("cache", "param"):
             raise ValueError(f"KernelOptions.weight_descriptor must be 'cache' or 'param', got {self.weight_descriptor!r}")
+        if self.descriptor_prefetch not in ("", "entry", "entry-acquired"):
+            raise ValueError(f"KernelOptions.descriptor_prefetch must be '', 'entry' or 'entry-acquired', got "
+                             f"{self.descriptor_prefetch!r}")
         if self.wgmma_in_flight not in (1, 2):
             raise ValueError(f"KernelOptions.wgmma_in_flight must be 1 or 2, got {self.wgmma_in_flight!r}")
         if self.late_first_cta_ns < 0 or (self.late_first_cta_ns and self.cluster_k < 2):
@@ -601,9 +605,10 @@ class WeightStreamingLinear:
                 trace[cta, 9] = Int64(0)
                 trace[cta, 10] = Int64(cute.arch.smid())
 
-        weight_map_ptr = None  # the atom's own descriptor (weight_descriptor="param"), or acquired in load_run
-        if cutlass.const_expr(self.options.descriptor_at_entry and self.options.weight_descriptor == "cache"):
-            weight_map_ptr = tma_desc_ptr(weight_map, scope=self.options.fence_scope, prefetch=True)
+        if cutlass.const_expr(self.options.descriptor_prefetch != "" and self.options.weight_descriptor == "cache"):
+            if warp_idx == PRODUCER_WARP:
+                prefetch_tma_desc(weight_map, acquire=self.options.fence_scope
+                                  if self.options.descriptor_prefetch == "entry-acquired" else None)
         if cutlass.const_expr(self.options.pdl and self.options.early_trigger):
             cute.arch.griddepcontrol_launch_dependents()
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -654,8 +659,8 @@ class WeightStreamingLinear:
 
         if warp_idx == PRODUCER_WARP:
             self.load_run(
-                w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, weight_map_ptr, run_begin,
-                run_end, k_blocks, trace, cta, tidx,
+                w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
+                trace, cta, tidx,
             )
         if warp_idx < PRODUCER_WARP:
             if cutlass.const_expr(self.options.pdl):
@@ -673,13 +678,13 @@ class WeightStreamingLinear:
 
     @cute.jit
     def load_run(
-        self, w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, weight_map_ptr, run_begin,
-        run_end, k_blocks, trace, cta, tidx,
+        self, w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
+        trace, cta, tidx,
     ):
         """Warp 4: TMA-load weight block (tile, kb) and x block kb for every iteration of this CTA's run."""
-        if cutlass.const_expr(self.options.weight_descriptor == "cache" and not self.options.descriptor_at_entry):
-            # outside the elected copy branches, with the acquire fence
-            weight_map_ptr = tma_desc_ptr(weight_map, scope=self.options.fence_scope)
+        # outside the elected copy branches, with the acquire fence; None: the atom's own descriptor (a kernel parameter)
+        weight_map_ptr = (tma_desc_ptr(weight_map, scope=self.options.fence_scope)
+                          if cutlass.const_expr(self.options.weight_descriptor == "cache") else None)
         w_dst = cute.group_modes(w_tiles, 0, 2)
         x_dst = cute.group_modes(x_tiles, 0, 2)
         # Block coordinates in elements, carried across iterations rather than derived from `it`:
