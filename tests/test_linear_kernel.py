@@ -64,6 +64,7 @@ OPTION_VARIANTS = [
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
+              f"{'-prefetch' * bool(o.descriptor_prefetch)}"
               for o in OPTION_VARIANTS]
 
 

@@ -253,8 +253,14 @@ class KernelOptions(NamedTuple):
 # shapes, from 4 CTAs per tile (8 SMs running two) to 3: 4096x4096 M=32 13.67 -> 12.61 us back to back, 13.88 ->
 # 12.77 in situ (cuBLAS 12.92 / 12.77), M=16 2.3 % faster; 4096x14336 M=32 3 % faster, M=1 and M=16 0.7-0.9 %
 # slower. The trace (run 4) shows the same streaming spread across CTAs with or without two CTAs on an SM.
+# Sweep runs 7-9 (docs/results/sweep-linear-h200-run{7,8,9}.*): loading the weight through the atom's own
+# kernel-parameter descriptor instead of ours was ~0.2-0.3 us faster per call (geomean 1.022x vs 1.010x back to
+# back, run 7), and the trace put the difference between the first load's issue and its bytes landing. A
+# prefetch.tensormap of our descriptor by the TMA warp at kernel entry (descriptor_prefetch="entry") took most of it
+# back in run 9: 1.018x vs 1.009x back to back (the kernel-parameter descriptor 1.018x), 1.005x vs 0.997x in situ;
+# fencing first at entry ("entry-acquired") was slower than neither (1.005x / 0.989x).
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
-                                cluster_fit=True)
+                                cluster_fit=True, descriptor_prefetch="entry")
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
