@@ -2,10 +2,10 @@
 
     timeout 300 python benchmarks/sweep_linear.py [--csv PATH]     # < 4 min on an H200
 
-For each variant (the shipped defaults; "prefetch" and "prefetch-acquired": the TMA warp prefetches the weight
-descriptor at kernel entry, without or after the acquire fence (KernelOptions.descriptor_prefetch); "param-desc": the weight loaded through the TMA atom's own descriptor, a kernel parameter,
-instead of torch_tma's device-resident one and its fence, to measure what that costs; earlier runs also swept
-stream-K, clusters that do not all run at once, the cluster split's bounds, a second wgmma in flight, PDL, the
+For each variant (the shipped defaults; "no-prefetch": without the TMA warp's prefetch of the weight descriptor at
+kernel entry (KernelOptions.descriptor_prefetch), the default before run 9; "param-desc": the weight loaded through
+the TMA atom's own descriptor, a kernel parameter, instead of torch_tma's device-resident one and its fence, to
+measure what that costs; earlier runs also swept stream-K, clusters that do not all run at once, the cluster split's bounds, a second wgmma in flight, PDL, the
 descriptor fence scope, shares of the shared memory and two CTAs per SM: see docs/linear.md), each shape
 N x K in SHAPES and M in MS (bf16, no bias): first validate the variant's output against the float64 reference
 (|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|, output poisoned with NaN before the launch), then time
@@ -42,7 +42,7 @@ from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us, in_s
 SHAPES = [(1024, 4096), (4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (28672, 4096), (10240, 8192),
           (8192, 28672), (57344, 8192)]
 MS = (1, 16, 32, 64)
-IN_SITU = ("shipped", "prefetch", "prefetch-acquired", "param-desc")
+IN_SITU = ("shipped", "no-prefetch", "param-desc")
 CALLS_PER_GRAPH = 40
 
 
@@ -52,8 +52,7 @@ def variants(linear):
     shipped = linear.DEFAULT_OPTIONS
     return {
         "shipped": shipped,
-        "prefetch": shipped._replace(descriptor_prefetch="entry"),  # prefetch.tensormap at entry
-        "prefetch-acquired": shipped._replace(descriptor_prefetch="entry-acquired"),  # fence + prefetch at entry
+        "no-prefetch": shipped._replace(descriptor_prefetch=""),  # the descriptor fetched at the first load
         "param-desc": shipped._replace(weight_descriptor="param"),  # the atom's own descriptor, a kernel parameter
     }
 

@@ -50,7 +50,7 @@ def variants(linear):
             "stream-k-no-pdl": shipped._replace(cluster_split=0, pdl=False, weight_before_wait=False),
             "cluster2": shipped._replace(cluster_split=2, cluster_fit=False),
             "stacked": shipped._replace(cluster_fit=False), "param-desc": shipped._replace(weight_descriptor="param"),
-            "prefetch": shipped._replace(descriptor_prefetch="entry"),
+            "no-prefetch": shipped._replace(descriptor_prefetch=""),
             "prefetch-acquired": shipped._replace(descriptor_prefetch="entry-acquired")}
 
 

@@ -152,9 +152,10 @@ class KernelOptions(NamedTuple):
         Static: part of the compiled kernel. Set by options_for(), not by hand.
     cluster_max_k, cluster_max_m_pad: bounds of the cluster_split policy (cluster_k_for): at most cluster_max_k CTAs
         per row tile, and stream-K for M padded above cluster_max_m_pad. (4, 16) is the policy measured first.
-    cluster_fit: with cluster_split=1 (refused with 2), lower cluster_k until the GPU runs every row tile's cluster at once with one
-        CTA per SM (cluster_capacity: clusters live inside one GPC, so an H200 places 30 clusters of 4 that way, not
-        33). False keeps sm_count // row tiles: 32 row tiles then get clusters of 4, and 8 SMs run two CTAs.
+    cluster_fit: with cluster_split=1 (refused with 2), lower cluster_k until the GPU runs every row tile's cluster
+        at once with one CTA per SM (cluster_capacity: clusters live inside one GPC, so an H200 places 30 clusters of
+        4 that way, not 33). False keeps sm_count // row tiles: 32 row tiles then get clusters of 4, and 8 SMs run
+        two CTAs.
     wgmma_in_flight: stages whose wgmma may be running at once. 1: wait for a stage's wgmma, release the stage,
         then wait for the next one. 2: issue the next stage's wgmma before waiting for the previous one (released
         one stage late), so the tensor cores never wait for the warpgroup's round trip.
@@ -212,7 +213,8 @@ class KernelOptions(NamedTuple):
             raise ValueError(f"KernelOptions.cluster_k must be 0..{MAX_CLUSTER_K} (with ctas_per_sm=1), "
                              f"got {self.cluster_k!r}")
         if self.weight_descriptor not in ("cache", "param"):
-            raise ValueError(f"KernelOptions.weight_descriptor must be 'cache' or 'param', got {self.weight_descriptor!r}")
+            raise ValueError(f"KernelOptions.weight_descriptor must be 'cache' or 'param', got "
+                             f"{self.weight_descriptor!r}")
         if self.descriptor_prefetch not in ("", "entry", "entry-acquired"):
             raise ValueError(f"KernelOptions.descriptor_prefetch must be '', 'entry' or 'entry-acquired', got "
                              f"{self.descriptor_prefetch!r}")
@@ -257,8 +259,9 @@ class KernelOptions(NamedTuple):
 # kernel-parameter descriptor instead of ours was ~0.2-0.3 us faster per call (geomean 1.022x vs 1.010x back to
 # back, run 7), and the trace put the difference between the first load's issue and its bytes landing. A
 # prefetch.tensormap of our descriptor by the TMA warp at kernel entry (descriptor_prefetch="entry") took most of it
-# back in run 9: 1.018x vs 1.009x back to back (the kernel-parameter descriptor 1.018x), 1.005x vs 0.997x in situ;
-# fencing first at entry ("entry-acquired") was slower than neither (1.005x / 0.989x).
+# back in run 9: 1.018x vs 1.009x back to back (the kernel-parameter descriptor 1.018x), 1.005x vs 0.997x in situ.
+# Fencing at entry too was slower than not prefetching: "entry-acquired" 1.005x / 0.989x in run 9, and every thread
+# fencing and prefetching at entry with no later fence 1.009x / 0.992x against 1.012x / 1.000x in run 8.
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                                 cluster_fit=True, descriptor_prefetch="entry")
 
