@@ -159,9 +159,10 @@ class KernelOptions(NamedTuple):
     wgmma_in_flight: stages whose wgmma may be running at once. 1: wait for a stage's wgmma, release the stage,
         then wait for the next one. 2: issue the next stage's wgmma before waiting for the previous one (released
         one stage late), so the tensor cores never wait for the warpgroup's round trip.
-    descriptor_prefetch: "" (shipped): the TMA warp acquires the weight descriptor just before its first load. "entry":
-        it also issues prefetch.tensormap at kernel entry, before the barriers are set up; "entry-acquired": the
-        fence and then the prefetch at entry (prefetch_tma_desc). Either way the loads acquire it again.
+    descriptor_prefetch: "": the TMA warp acquires the weight descriptor just before its first load, and the TMA unit
+        fetches it then. "entry" (shipped): the TMA warp also issues prefetch.tensormap at kernel entry, before the
+        barriers are set up, so the fetch overlaps the set-up; "entry-acquired": the fence and then the prefetch at
+        entry (prefetch_tma_desc). Either way the loads acquire it again.
     weight_descriptor: "cache" (what the op ships): the weight is loaded through torch_tma's device-resident descriptor
         at weight_map, acquired with the fence above. "param": a measurement build that loads it through the TMA
         atom's own descriptor, which CuTe DSL passes as a kernel parameter (fixed 128B promotion, built on the host at
