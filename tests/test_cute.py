@@ -259,6 +259,12 @@ def test_atom_tensor_map_and_bound_map_through_a_cache():
     assert cache.stats()["refreshes"] == 1
 
 
+def test_prefetch_tma_desc_refuses_an_unknown_fence_scope():
+    """The prefetch's optional fence takes tma_desc_ptr's scopes only (its PTX: tests/test_linear_kernel.py)."""
+    with pytest.raises(ValueError, match="acquire must be None or one of"):
+        tma_cute.prefetch_tma_desc(0, acquire="cta")
+
+
 # ---- CPU: our DSL kernels compile for sm_90a --------------------------------------------------------------
 
 
