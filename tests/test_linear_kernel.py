@@ -68,6 +68,10 @@ OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-c
               for o in OPTION_VARIANTS]
 
 
+# A 2-D TMA load in PTX; group 1 is the register holding the descriptor address it reads through.
+TMA_LOAD_DESCRIPTOR = re.compile(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\S* \[[^\]]+\], \[(%rd\d+), \{")
+
+
 def _ptx_and_cubin(dtype, m_pad, has_bias, tmp_path, options=linear.DEFAULT_OPTIONS):
     linear.compile_kernel(
         DSL_DTYPES[dtype], m_pad, has_bias, f"--keep-ptx --keep-cubin --dump-dir={tmp_path}", options
@@ -89,7 +93,7 @@ def test_kernel_compiles_for_sm90a(dtype, m_pad, has_bias, tmp_path):
     # reads through it, and x loads through the atom's own descriptor: one weight and one x load site per
     # loop (two loops when the weight is loaded before the PDL wait).
     (fenced,) = re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.\w+ \[(%rd\d+)\], 128;", ptx)
-    loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\S* \[[^\]]+\], \[(%rd\d+), \{", ptx)
+    loads = TMA_LOAD_DESCRIPTOR.findall(ptx)
     sites = 4 if linear.DEFAULT_OPTIONS.weight_before_wait else 2
     assert len(loads) == sites and loads.count(fenced) == sites // 2, (fenced, loads)
     argument = re.search(r"ld\.param\.b64\s+" + re.escape(fenced) + r", \[\w+_param_(\d+)\];", ptx)
@@ -105,7 +109,7 @@ def test_param_descriptor_build_loads_the_weight_without_our_descriptor(tmp_path
     options = linear.DEFAULT_OPTIONS._replace(weight_descriptor="param", cluster_k=3)
     ptx, _ = _ptx_and_cubin(torch.bfloat16, 8, False, tmp_path, options)
     assert "fence.proxy.tensormap" not in ptx
-    loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\S* \[[^\]]+\], \[(%rd\d+), \{", ptx)
+    loads = TMA_LOAD_DESCRIPTOR.findall(ptx)
     assert len(loads) == 4, loads  # weight before and after the PDL wait, x after it: four sites as shipped
     for register in loads:  # each one a 128-byte kernel parameter's address
         assert re.search(r"cvta\.param\.u64\s+" + re.escape(register) + r", ", ptx), register
@@ -124,7 +128,7 @@ def test_descriptor_prefetch_builds_prefetch_before_the_barriers(where, tmp_path
                           ptx)
     assert ptx.index("prefetch.tensormap") < ptx.index("mbarrier.init")
     late = [m for m in re.finditer(fence + r"\n", ptx) if m.start() > ptx.index("mbarrier.init")]
-    loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\S* \[[^\]]+\], \[(%rd\d+), \{", ptx)
+    loads = TMA_LOAD_DESCRIPTOR.findall(ptx)
     assert len(late) == 1 and loads.count(late[0].group(1)) == 2, (early, late, loads)
     with pytest.raises(ValueError, match="descriptor_prefetch"):
         options._replace(descriptor_prefetch="start").check()
@@ -165,7 +169,7 @@ def test_kernel_options_compile(options, tmp_path):
     predicated R2UR in the extra load loop."""
     ptx, cubin = _ptx_and_cubin(torch.bfloat16, 16, True, tmp_path, options)
     (fenced,) = re.findall(rf"fence\.proxy\.tensormap::generic\.acquire\.{options.fence_scope} \[(%rd\d+)\], 128;", ptx)
-    loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\S* \[[^\]]+\], \[(%rd\d+), \{", ptx)
+    loads = TMA_LOAD_DESCRIPTOR.findall(ptx)
     sites = 4 if options.weight_before_wait else 2
     assert len(loads) == sites and loads.count(fenced) == sites // 2, (fenced, loads)
     assert ptx.count("griddepcontrol.launch_dependents;") == int(options.pdl and options.early_trigger)

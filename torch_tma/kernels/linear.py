@@ -166,7 +166,8 @@ class KernelOptions(NamedTuple):
     weight_descriptor: "cache" (what the op ships): the weight is loaded through torch_tma's device-resident descriptor
         at weight_map, acquired with the fence above. "param": a measurement build that loads it through the TMA
         atom's own descriptor, which CuTe DSL passes as a kernel parameter (fixed 128B promotion, built on the host at
-        every launch and frozen into a CUDA graph at capture, so a refresh cannot reach it); no fence. What the
+        every launch and frozen into a CUDA graph at capture, so a refresh cannot reach it); no fence and no
+        descriptor_prefetch (there is no slot to fetch). What the
         device-resident descriptor costs on the GPU is the difference (benchmarks/sweep_linear.py).
     late_first_cta_ns: a test build: in a cluster-split build, CTA 0 of each cluster spins this many nanoseconds
         (on %globaltimer) after its last wgmma, before it says its ring is drained or waits for the partials, so
