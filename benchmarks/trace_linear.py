@@ -51,7 +51,8 @@ def variants(linear):
             "cluster2": shipped._replace(cluster_split=2, cluster_fit=False),
             "stacked": shipped._replace(cluster_fit=False), "param-desc": shipped._replace(weight_descriptor="param"),
             "no-prefetch": shipped._replace(descriptor_prefetch=""),
-            "prefetch-acquired": shipped._replace(descriptor_prefetch="entry-acquired")}
+            "prefetch-acquired": shipped._replace(descriptor_prefetch="entry-acquired"),
+            "release-arrive": shipped._replace(relaxed_cluster_arrive=False), "full-ring": shipped._replace(smem_share=1)}
 
 
 def summarize(trace, fields, calls):

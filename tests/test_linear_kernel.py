@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils
 from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
@@ -233,6 +234,22 @@ def test_kernel_options_check():
     assert linear.KernelOptions(smem_share=3).smem_slots == 3
     with pytest.raises(ValueError, match="scope"):
         tma_cute.tma_desc_ptr(0, scope="cta")
+
+
+@pytest.mark.parametrize("m_pad,cluster_k", [(8, 3), (64, 3)], ids=["m8-cluster3", "m64-cluster3-in-ring"])
+def test_relaxed_cluster_arrive_follows_the_barrier_init_fence(m_pad, cluster_k, tmp_path):
+    """relaxed_cluster_arrive (shipped): the entry arrive is the relaxed form, and the only thing it announces, CTA 0's
+    partials barrier (and in-ring, each sender's drained barrier) initialised, is released before it by
+    fence.mbarrier_init."""
+    assert linear.DEFAULT_OPTIONS.relaxed_cluster_arrive
+    options = linear.DEFAULT_OPTIONS._replace(cluster_k=cluster_k)
+    ptx, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, tmp_path, options)
+    assert re.findall(r"barrier\.cluster\.arrive[.\w]*", ptx) == ["barrier.cluster.arrive.relaxed"]
+    arrive = ptx.index("barrier.cluster.arrive.relaxed")
+    partials_barrier = ptx.index("mbarrier.arrive.expect_tx")  # CTA 0 arms it right after its init and fence
+    assert ptx.rindex("mbarrier.init", 0, partials_barrier) < ptx.rindex("fence.mbarrier_init.release.cluster", 0,
+                                                                         partials_barrier) < arrive
+    assert ptx.rindex("mbarrier.init", 0, arrive) < ptx.rindex("fence.mbarrier_init.release.cluster", 0, arrive)
 
 
 @pytest.mark.parametrize("m_pad,cluster_k", CLUSTER_BUILDS, ids=[f"m{m}-cluster{c}" for m, c in CLUSTER_BUILDS])
@@ -533,6 +550,16 @@ def test_cluster_capacity_from_the_driver():
     assert list(capacity) == sorted(capacity, reverse=True), capacity
     fit = linear.options_for(linear.DEFAULT_OPTIONS, 4096, 4096, 1, sm_count, capacity)
     assert capacity[fit.cluster_k - 1] >= 32 and (fit.cluster_k == 8 or capacity[fit.cluster_k] < 32), (fit, capacity)
+    # The same counts as CuTe DSL's own query (which compiles a DSL kernel per cluster size; ours loads PTX once).
+    dsl = cutlass.utils.HardwareInfo(0)
+    assert capacity == tuple(dsl.get_max_active_clusters(k) for k in range(1, linear.MAX_CLUSTER_K + 1)), capacity
+
+
+def test_driver_errors_name_the_call_and_the_error():
+    import cuda.bindings.driver as cuda
+    assert linear._driver_result("cuDeviceGet", (cuda.CUresult.CUDA_SUCCESS, 7)) == 7
+    with pytest.raises(RuntimeError, match=r"cuModuleLoadData failed: CUDA_ERROR_INVALID_PTX"):
+        linear._driver_result("cuModuleLoadData", (cuda.CUresult.CUDA_ERROR_INVALID_PTX, None))
 
 
 @on_gpu

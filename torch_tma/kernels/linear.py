@@ -169,6 +169,10 @@ class KernelOptions(NamedTuple):
         every launch and frozen into a CUDA graph at capture, so a refresh cannot reach it); no fence and no
         descriptor_prefetch (there is no slot to fetch). What the
         device-resident descriptor costs on the GPU is the difference (benchmarks/sweep_linear.py).
+    relaxed_cluster_arrive: in a cluster-split build, each thread's arrive on the cluster barrier at kernel entry is
+        barrier.cluster.arrive.relaxed (shipped) instead of the release form. What it announces (the CTA's mbarriers
+        are initialised) is released to the cluster by fence.mbarrier_init, so the release form only delays the
+        start: the first weight load went out ~0.25 us later with it (benchmarks/trace_linear.py).
     late_first_cta_ns: a test build: in a cluster-split build, CTA 0 of each cluster spins this many nanoseconds
         (on %globaltimer) after its last wgmma, before it says its ring is drained or waits for the partials, so
         the other CTAs reach their waits before CTA 0 arrives (tests/test_linear_kernel.py). 0 in shipped builds.
@@ -191,6 +195,7 @@ class KernelOptions(NamedTuple):
     wgmma_in_flight: int = 1
     weight_descriptor: str = "cache"
     descriptor_prefetch: str = ""
+    relaxed_cluster_arrive: bool = False
     late_first_cta_ns: int = 0
     trace: bool = False
 
@@ -264,8 +269,14 @@ class KernelOptions(NamedTuple):
 # back in run 9: 1.018x vs 1.009x back to back (the kernel-parameter descriptor 1.018x), 1.005x vs 0.997x in situ.
 # Fencing at entry too was slower than not prefetching: "entry-acquired" 1.005x / 0.989x in run 9, and every thread
 # fencing and prefetching at entry with no later fence 1.009x / 0.992x against 1.012x / 1.000x in run 8.
+# Sweep run 10 (docs/results/sweep-linear-h200-run10.*): the relaxed form of the cluster barrier's entry arrive
+# (relaxed_cluster_arrive) took the first weight load's issue from 0.69-0.77 us after the CTA's start to 0.45-0.48 us
+# (trace run 6, as in single-CTA builds) and was 0.1-0.17 us faster on every clustered shape at M=1 and M=16, both
+# ways (1024x4096 M=1 5.48 -> 5.35 us back to back, 5.71 -> 5.59 in situ; 4096x4096 M=1 10.56 -> 10.45, 10.74 ->
+# 10.62): geomean 1.016x -> 1.020x back to back, 1.003x -> 1.007x in situ. The whole SM's shared memory for the ring
+# (smem_share=1) was slower again, at every M: 0.986x / 0.964x.
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
-                                cluster_fit=True, descriptor_prefetch="entry")
+                                cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True)
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -300,18 +311,57 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# An empty kernel for the driver's occupancy calculator: loading PTX text JIT-compiles it in the driver (no DSL
+# compile, no file); what the calculator needs is its launch shape, set below.
+_OCCUPANCY_PROBE_PTX = b"""
+.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry torch_tma_occupancy_probe() { ret; }
+"""
+
+
+def _driver_result(name: str, result: tuple):
+    """The value of a cuda-bindings call, or a RuntimeError naming the call and the driver's error."""
+    if result[0] != cuda.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{name} failed: {result[0].name}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
 @functools.cache
 def cluster_capacity(device_index: int) -> tuple[int, ...]:
     """Clusters of 1..MAX_CLUSTER_K CTAs (item k - 1) that CUDA device `device_index` runs at once with one CTA per SM.
 
-    The driver's occupancy calculator (cuOccupancyMaxActiveClusters, through the DSL's HardwareInfo, for a block
-    that takes a whole SM's shared memory). A cluster runs inside one GPC, so the count is below sm_count // k
-    where GPC sizes are not multiples of k. Compiles and loads one empty kernel: once per device and process.
+    The driver's occupancy calculator (cuOccupancyMaxActiveClusters) for a block of THREADS threads that takes a
+    whole SM's shared memory, so no two CTAs share an SM. A cluster runs inside one GPC, so the count is below
+    sm_count // k where GPC sizes are not multiples of k. Loads one empty PTX kernel: once per device and process.
     """
     with torch.cuda.device(device_index):
         torch.cuda.synchronize()  # the device's primary context is current on this thread
-        info = cutlass.utils.HardwareInfo(device_index)
-        return tuple(info.get_max_active_clusters(k) for k in range(1, MAX_CLUSTER_K + 1))
+        module = _driver_result("cuModuleLoadData", cuda.cuModuleLoadData(_OCCUPANCY_PROBE_PTX))
+        try:
+            probe = _driver_result("cuModuleGetFunction",
+                                   cuda.cuModuleGetFunction(module, b"torch_tma_occupancy_probe"))
+            device = _driver_result("cuDeviceGet", cuda.cuDeviceGet(device_index))
+            smem_optin = _driver_result("cuDeviceGetAttribute", cuda.cuDeviceGetAttribute(
+                cuda.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device))
+            _driver_result("cuFuncSetAttribute", cuda.cuFuncSetAttribute(
+                probe, cuda.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_optin))
+            config = cuda.CUlaunchConfig()
+            config.blockDimX, config.blockDimY, config.blockDimZ = THREADS, 1, 1
+            config.sharedMemBytes = smem_optin
+            capacity = []
+            for k in range(1, MAX_CLUSTER_K + 1):
+                cluster = cuda.CUlaunchAttribute()
+                cluster.id = cuda.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                cluster.value.clusterDim.x, cluster.value.clusterDim.y, cluster.value.clusterDim.z = k, 1, 1
+                config.gridDimX, config.gridDimY, config.gridDimZ = k, 1, 1
+                config.attrs, config.numAttrs = [cluster], 1
+                capacity.append(_driver_result("cuOccupancyMaxActiveClusters",
+                                               cuda.cuOccupancyMaxActiveClusters(probe, config)))
+            return tuple(capacity)
+        finally:
+            _driver_result("cuModuleUnload", cuda.cuModuleUnload(module))
 
 
 @functools.cache
@@ -663,10 +713,13 @@ class WeightStreamingLinear:
                 if rank != 0 and tidx == 0:  # CTA 0 arrives on it once its ring is drained (cluster_reduce)
                     cute.arch.mbarrier_init(storage.drained_barrier.data_ptr(), 1)
                     cute.arch.mbarrier_init_fence()
-            # Every thread arrives once (release): this CTA has started and its barriers are set. Only the
-            # senders wait, just before they send (and CTA 0 before it says it is drained), so it costs the start
-            # nothing.
-            cute.arch.cluster_arrive()
+            # Every thread arrives once: this CTA has started and its barriers are set. Only the senders wait, just
+            # before they send (and CTA 0 before it says it is drained), so the start does not wait on it. Relaxed:
+            # the barrier inits are already released to the cluster by fence.mbarrier_init above.
+            if cutlass.const_expr(self.options.relaxed_cluster_arrive):
+                cute.arch.cluster_arrive_relaxed()
+            else:
+                cute.arch.cluster_arrive()
 
         if warp_idx == PRODUCER_WARP:
             self.load_run(
