@@ -3,15 +3,15 @@
     timeout 300 python benchmarks/sweep_linear.py [--csv PATH]     # < 4 min on an H200
 
 For each variant (the shipped defaults; "release-arrive": the cluster barrier's entry arrive in its release form, the
-default before run 10 (KernelOptions.relaxed_cluster_arrive); "full-ring": the ring takes the whole SM's shared memory,
-smem_share=1, which at M=64 gives more stages and room for the received partials; earlier runs also swept the descriptor
-prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters that do not all run at
-once, the cluster split's bounds, a second wgmma in flight, PDL, the descriptor fence scope, shares of the shared memory
-and two CTAs per SM: see docs/linear.md), each shape N x K in SHAPES and M in MS (bf16, no bias): first validate the
-variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|, output
-poisoned with NaN before the launch), then time it as CUDA events around replays of one CUDA graph of back-to-back
-calls, each on the next of several weight copies (together ~7x the 60 MB L2). cuBLAS (F.linear) is timed the same way in
-the same run. Variants launch the compiled kernel directly with their own split-K workspace, so the host path
+default before run 10 (KernelOptions.relaxed_cluster_arrive); "evict-normal": the weight loaded without the L2
+evict-first hint (KernelOptions.weight_eviction); earlier runs also swept the whole SM's shared memory for the ring, the
+descriptor prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters that do not
+all run at once, the cluster split's bounds, a second wgmma in flight, PDL, the descriptor fence scope, shares of the
+shared memory and two CTAs per SM: see docs/linear.md), each shape N x K in SHAPES and M in MS (bf16, no bias): first
+validate the variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|,
+output poisoned with NaN before the launch), then time it as CUDA events around replays of one CUDA graph of back-to-
+back calls, each on the next of several weight copies (together ~7x the 60 MB L2). cuBLAS (F.linear) is timed the same
+way in the same run. Variants launch the compiled kernel directly with their own split-K workspace, so the host path
 (linear_out) is not involved.
 
 "In situ" (the IN_SITU variants and cuBLAS): the same graph with a small elementwise kernel on x before every
@@ -43,7 +43,7 @@ from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us, in_s
 SHAPES = [(1024, 4096), (4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (28672, 4096), (10240, 8192),
           (8192, 28672), (57344, 8192)]
 MS = (1, 16, 32, 64)
-IN_SITU = ("shipped", "release-arrive", "full-ring")
+IN_SITU = ("shipped", "release-arrive", "evict-normal")
 CALLS_PER_GRAPH = 40
 
 
@@ -54,7 +54,7 @@ def variants(linear):
     return {
         "shipped": shipped,
         "release-arrive": shipped._replace(relaxed_cluster_arrive=False),  # the release form of the entry arrive
-        "full-ring": shipped._replace(smem_share=1),  # the ring takes the whole SM's shared memory
+        "evict-normal": shipped._replace(weight_eviction="normal"),  # weight loads without the evict-first hint
     }
 
 

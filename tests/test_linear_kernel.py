@@ -230,10 +230,36 @@ def test_kernel_options_check():
         linear.KernelOptions(smem_share=4).check()
     with pytest.raises(ValueError, match="wgmma_in_flight"):
         linear.KernelOptions(wgmma_in_flight=3).check()
+    with pytest.raises(ValueError, match="weight_eviction"):
+        linear.KernelOptions(weight_eviction="last").check()
     assert linear.KernelOptions(ctas_per_sm=2).smem_slots == 2
     assert linear.KernelOptions(smem_share=3).smem_slots == 3
     with pytest.raises(ValueError, match="scope"):
         tma_cute.tma_desc_ptr(0, scope="cta")
+
+
+# A 2-D TMA load in PTX with its cache hint; group 1 the descriptor address register, group 2 the cache policy.
+TMA_LOAD_POLICY = re.compile(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\S*L2::cache_hint "
+                             r"\[[^\]]+\], \[(%rd\d+), \{[^}]*\}\], \[[^\]]+\], (%rd\d+);")
+
+
+@pytest.mark.parametrize("eviction", ["first", "normal"])
+def test_weight_loads_carry_the_eviction_policy(eviction, tmp_path):
+    """weight_eviction="first": one createpolicy evict_first, and every weight load (through the fenced descriptor)
+    carries it; x loads do not. "normal": no policy is created."""
+    options = linear.DEFAULT_OPTIONS._replace(cluster_k=3, weight_eviction=eviction)
+    ptx, _ = _ptx_and_cubin(torch.bfloat16, 16, False, tmp_path, options)
+    policies = re.findall(r"createpolicy\.fractional\.L2::evict_first\.b64 (%rd\d+), 1\.0;", ptx)
+    (fenced,) = re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.\w+ \[(%rd\d+)\], 128;", ptx)
+    loads = TMA_LOAD_POLICY.findall(ptx)
+    assert len(loads) == 4, loads
+    weight_policies = {policy for desc, policy in loads if desc == fenced}
+    x_policies = {policy for desc, policy in loads if desc != fenced}
+    if eviction == "first":
+        assert len(policies) == 1 and weight_policies == set(policies), (policies, loads)
+        assert not x_policies & weight_policies, loads
+    else:
+        assert not policies
 
 
 @pytest.mark.parametrize("m_pad,cluster_k", [(8, 3), (64, 3)], ids=["m8-cluster3", "m64-cluster3-in-ring"])

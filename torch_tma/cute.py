@@ -61,6 +61,7 @@ import cutlass.cute as cute  # noqa: E402  (after the version check, so a wrong 
 import cutlass._mlir.dialects.cute as _cute_ir  # noqa: E402
 import cutlass._mlir.dialects.cute_nvgpu as _cute_nvgpu_ir  # noqa: E402
 from cutlass import Int64  # noqa: E402
+from cutlass._mlir import ir  # noqa: E402
 from cutlass._mlir.dialects import llvm  # noqa: E402
 from cutlass.cute.nvgpu import cpasync  # noqa: E402
 from cutlass.cute.nvgpu.cpasync import copy as _tma_ops  # noqa: E402  (the ops cpasync does not re-export)
@@ -72,8 +73,8 @@ from .cache import BoundTensorMap, TensorMap, TensorMapCache, default_cache  # n
 from .layout import DESCRIPTOR_BYTES, decode  # noqa: E402
 from .spec import ELEMENT_BYTES, DataType, Interleave, L2Promotion, OOBFill, Swizzle, TensorMapSpec  # noqa: E402
 
-__all__ = ["SUPPORTED_DSL", "tma_desc_ptr", "prefetch_tma_desc", "AtomPlan", "plan_atom", "atom_tensor_map",
-           "bind_atom_tensor_map", "atom_descriptor"]
+__all__ = ["SUPPORTED_DSL", "tma_desc_ptr", "prefetch_tma_desc", "l2_evict_first_policy", "AtomPlan", "plan_atom",
+           "atom_tensor_map", "bind_atom_tensor_map", "atom_descriptor"]
 
 # The TMA unit requires descriptor addresses aligned to 64 bytes; torch_tma's slots are at least that.
 DESCRIPTOR_ALIGN = 64
@@ -131,6 +132,18 @@ def prefetch_tma_desc(address, *, acquire: Optional[str] = None, loc=None, ip=No
         raise ValueError(f"prefetch_tma_desc: acquire must be None or one of {_FENCE_SCOPES}, got {acquire!r}")
     fence = "" if acquire is None else f"fence.proxy.tensormap::generic.acquire.{acquire} [$0], 128; "
     _tensormap_asm(Int64(address).ir_value(loc=loc, ip=ip), fence + "prefetch.tensormap [$0];", loc, ip)
+
+
+@dsl_user_op
+def l2_evict_first_policy(*, loc=None, ip=None) -> Int64:
+    """An L2 cache policy (``createpolicy.fractional.L2::evict_first``, fraction 1.0) for the ``cache_policy=`` of a
+    TMA load in ``@cute.kernel`` code: the lines it brings into L2 are the first ones L2 evicts. For data read once
+    (a streamed weight), so that it does not push out what the kernels around it reread."""
+    policy = llvm.inline_asm(ir.IntegerType.get_signless(64), [],
+                             "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l",
+                             has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                             loc=loc, ip=ip)
+    return Int64(policy)
 
 
 def _tensormap_asm(address, asm: str, loc, ip) -> None:

@@ -52,7 +52,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..cache import long_lived_empty
-from ..cute import prefetch_tma_desc, tma_desc_ptr
+from ..cute import l2_evict_first_policy, prefetch_tma_desc, tma_desc_ptr
 from ..spec import L2Promotion, Swizzle
 
 __all__ = [
@@ -173,6 +173,10 @@ class KernelOptions(NamedTuple):
         barrier.cluster.arrive.relaxed (shipped) instead of the release form. What it announces (the CTA's mbarriers
         are initialised) is released to the cluster by fence.mbarrier_init, so the release form only delays the
         start: the first weight load went out ~0.25 us later with it (benchmarks/trace_linear.py).
+    weight_eviction: the L2 eviction priority the weight loads carry (their TMA cache hint, a createpolicy value):
+        "normal" (no hint beyond the default) or "first": the streamed weight, read once per call, is the first
+        thing L2 evicts, so the small tensors a model step rereads (activations, norms, the KV cache) stay. x keeps
+        the default: every CTA rereads it.
     late_first_cta_ns: a test build: in a cluster-split build, CTA 0 of each cluster spins this many nanoseconds
         (on %globaltimer) after its last wgmma, before it says its ring is drained or waits for the partials, so
         the other CTAs reach their waits before CTA 0 arrives (tests/test_linear_kernel.py). 0 in shipped builds.
@@ -196,6 +200,7 @@ class KernelOptions(NamedTuple):
     weight_descriptor: str = "cache"
     descriptor_prefetch: str = ""
     relaxed_cluster_arrive: bool = False
+    weight_eviction: str = "normal"
     late_first_cta_ns: int = 0
     trace: bool = False
 
@@ -225,6 +230,8 @@ class KernelOptions(NamedTuple):
         if self.descriptor_prefetch not in ("", "entry", "entry-acquired"):
             raise ValueError(f"KernelOptions.descriptor_prefetch must be '', 'entry' or 'entry-acquired', got "
                              f"{self.descriptor_prefetch!r}")
+        if self.weight_eviction not in ("normal", "first"):
+            raise ValueError(f"KernelOptions.weight_eviction must be 'normal' or 'first', got {self.weight_eviction!r}")
         if self.wgmma_in_flight not in (1, 2):
             raise ValueError(f"KernelOptions.wgmma_in_flight must be 1 or 2, got {self.wgmma_in_flight!r}")
         if self.late_first_cta_ns < 0 or (self.late_first_cta_ns and self.cluster_k < 2):
@@ -276,7 +283,8 @@ class KernelOptions(NamedTuple):
 # 10.62): geomean 1.016x -> 1.020x back to back, 1.003x -> 1.007x in situ. The whole SM's shared memory for the ring
 # (smem_share=1) was slower again, at every M: 0.986x / 0.964x.
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
-                                cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True)
+                                cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
+                                weight_eviction="first")
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -749,6 +757,7 @@ class WeightStreamingLinear:
         # outside the elected copy branches, with the acquire fence; None: the atom's own descriptor (a kernel parameter)
         weight_map_ptr = (tma_desc_ptr(weight_map, scope=self.options.fence_scope)
                           if cutlass.const_expr(self.options.weight_descriptor == "cache") else None)
+        w_policy = l2_evict_first_policy() if cutlass.const_expr(self.options.weight_eviction == "first") else None
         w_dst = cute.group_modes(w_tiles, 0, 2)
         x_dst = cute.group_modes(x_tiles, 0, 2)
         # Block coordinates in elements, carried across iterations rather than derived from `it`:
@@ -769,7 +778,7 @@ class WeightStreamingLinear:
                 loads.producer_acquire(state)
                 cute.copy(
                     w_atom, w_src, w_smem_dst[(None, state.index)],
-                    tma_bar_ptr=loads.producer_get_barrier(state), tma_desc_ptr=weight_map_ptr,
+                    tma_bar_ptr=loads.producer_get_barrier(state), tma_desc_ptr=weight_map_ptr, cache_policy=w_policy,
                 )
                 state.advance()
                 if cutlass.const_expr(self.options.trace):
@@ -802,7 +811,8 @@ class WeightStreamingLinear:
             x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, col, self.m_pad)
             loads.producer_acquire(state)  # waits for the slot, then expects stage_bytes on its barrier
             barrier = loads.producer_get_barrier(state)
-            cute.copy(w_atom, w_src, w_smem_dst[(None, state.index)], tma_bar_ptr=barrier, tma_desc_ptr=weight_map_ptr)
+            cute.copy(w_atom, w_src, w_smem_dst[(None, state.index)], tma_bar_ptr=barrier, tma_desc_ptr=weight_map_ptr,
+                      cache_policy=w_policy)
             cute.copy(x_atom, x_src, x_smem_dst[(None, state.index)], tma_bar_ptr=barrier)
             state.advance()
             if cutlass.const_expr(self.options.trace and not self.options.weight_before_wait):
