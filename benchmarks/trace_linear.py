@@ -52,8 +52,8 @@ def variants(linear):
             "stacked": shipped._replace(cluster_fit=False), "param-desc": shipped._replace(weight_descriptor="param"),
             "no-prefetch": shipped._replace(descriptor_prefetch=""),
             "prefetch-acquired": shipped._replace(descriptor_prefetch="entry-acquired"),
-            "release-arrive": shipped._replace(relaxed_cluster_arrive=False), "full-ring": shipped._replace(smem_share=1),
-            "evict-normal": shipped._replace(weight_eviction="normal")}
+            "release-arrive": shipped._replace(relaxed_cluster_arrive=False),
+            "full-ring": shipped._replace(smem_share=1), "evict-normal": shipped._replace(weight_eviction="normal")}
 
 
 def summarize(trace, fields, calls):

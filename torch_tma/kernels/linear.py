@@ -24,10 +24,10 @@ How (160 threads per CTA):
     block count to the tile's arrival counter; the CTA that completes the count sums every partial of the
     tile in CTA order (deterministic), adds the bias, writes y and resets the counter to zero, so the next
     launch, and every CUDA-graph replay, starts from zeros. Nothing ever waits on another CTA.
-- Warp 4 only issues TMA loads (W through our descriptor via tma_desc_ptr=, x through the atom's own
-  descriptor) into a ring of as many stages as half an SM's shared memory holds (KernelOptions.smem_share=2,
-  chosen by measurement: see DEFAULT_OPTIONS); warps 0-3 run wgmma, release each stage, and do the fix-up
-  and epilogue, so loads keep flowing while a tile is written out.
+- Warp 4 only issues TMA loads (W through our descriptor via tma_desc_ptr=, with an L2 evict-first policy since
+  it is read once; x through the atom's own descriptor) into a ring of as many stages as half an SM's shared
+  memory holds (KernelOptions.smem_share=2, chosen by measurement: see DEFAULT_OPTIONS); warps 0-3 run wgmma,
+  release each stage, and do the fix-up and epilogue, so loads keep flowing while a tile is written out.
 - Programmatic dependent launch: weight blocks are loaded before griddepcontrol.wait, x and every output
   after it, so the start overlaps the previous kernel when that one lets it.
 
@@ -278,10 +278,15 @@ class KernelOptions(NamedTuple):
 # fencing and prefetching at entry with no later fence 1.009x / 0.992x against 1.012x / 1.000x in run 8.
 # Sweep run 10 (docs/results/sweep-linear-h200-run10.*): the relaxed form of the cluster barrier's entry arrive
 # (relaxed_cluster_arrive) took the first weight load's issue from 0.69-0.77 us after the CTA's start to 0.45-0.48 us
-# (trace run 6, as in single-CTA builds) and was 0.1-0.17 us faster on every clustered shape at M=1 and M=16, both
-# ways (1024x4096 M=1 5.48 -> 5.35 us back to back, 5.71 -> 5.59 in situ; 4096x4096 M=1 10.56 -> 10.45, 10.74 ->
-# 10.62): geomean 1.016x -> 1.020x back to back, 1.003x -> 1.007x in situ. The whole SM's shared memory for the ring
-# (smem_share=1) was slower again, at every M: 0.986x / 0.964x.
+# (trace run 6, as in single-CTA builds) and was 0.03-0.17 us faster in every cell of a clustered shape at M=1 and
+# M=16, both ways (1024x4096 M=1 5.48 -> 5.35 us back to back, 5.71 -> 5.59 in situ; 4096x4096 M=1 10.56 -> 10.45,
+# 10.74 -> 10.62): geomean 1.016x -> 1.020x back to back, 1.003x -> 1.007x in situ. The whole SM's shared memory for
+# the ring (smem_share=1) was slower again, at every M: 0.986x / 0.964x.
+# Sweep run 11 (docs/results/sweep-linear-h200-run11.*): weight loads with an L2 evict-first policy
+# (weight_eviction="first") against none: geomean 1.038x vs 1.020x back to back, 1.036x vs 1.005x in situ, faster in
+# 35 of 36 cells in situ (14336x4096 M=16 29.27 vs 30.87 us). In the decode benchmark at batch 1 it took the swapped
+# model from 1.057x to 1.092x over stock (docs/results/decode-eviction-h200.log): the rest of the step no longer loses
+# what it rereads from L2 to the weight stream.
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                                 cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
                                 weight_eviction="first")
