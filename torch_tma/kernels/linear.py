@@ -278,7 +278,7 @@ class KernelOptions(NamedTuple):
 # fencing and prefetching at entry with no later fence 1.009x / 0.992x against 1.012x / 1.000x in run 8.
 # Sweep run 10 (docs/results/sweep-linear-h200-run10.*): the relaxed form of the cluster barrier's entry arrive
 # (relaxed_cluster_arrive) took the first weight load's issue from 0.69-0.77 us after the CTA's start to 0.45-0.48 us
-# (trace run 6, as in single-CTA builds) and was 0.03-0.17 us faster in every cell of a clustered shape at M=1 and
+# (trace run 6; single-CTA builds: 0.39 us) and was 0.03-0.18 us faster in every cell of a clustered shape at M=1 and
 # M=16, both ways (1024x4096 M=1 5.48 -> 5.35 us back to back, 5.71 -> 5.59 in situ; 4096x4096 M=1 10.56 -> 10.45,
 # 10.74 -> 10.62): geomean 1.016x -> 1.020x back to back, 1.003x -> 1.007x in situ. The whole SM's shared memory for
 # the ring (smem_share=1) was slower again, at every M: 0.986x / 0.964x.
