@@ -80,6 +80,8 @@ __all__ = ["SUPPORTED_DSL", "tma_desc_ptr", "prefetch_tma_desc", "l2_evict_first
 DESCRIPTOR_ALIGN = 64
 # Scopes of the descriptor acquire fence in tma_desc_ptr: .sys (host-written slots, the guide's rule) or .gpu.
 _FENCE_SCOPES = ("sys", "gpu")
+# The acquire fence tma_desc_ptr issues on a slot ($0: its address), by scope; prefetch_tma_desc may issue it too.
+_ACQUIRE_FENCE = "fence.proxy.tensormap::generic.acquire.{scope} [$0], 128;"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,7 +117,7 @@ def tma_desc_ptr(address, *, scope: str = "sys", loc=None, ip=None) -> cute.Poin
     pointer_type = _cute_ir.PtrType.get(_cute_nvgpu_ir.TmaDescriptorTiledType.get(), cute.AddressSpace.generic,
                                         DESCRIPTOR_ALIGN)
     pointer = _cute_ir.inttoptr(pointer_type, aligned, loc=loc, ip=ip)
-    _tensormap_asm(address, f"fence.proxy.tensormap::generic.acquire.{scope} [$0], 128;", loc, ip)
+    _tensormap_asm(address, _ACQUIRE_FENCE.format(scope=scope), loc, ip)
     return pointer
 
 
@@ -130,7 +132,7 @@ def prefetch_tma_desc(address, *, acquire: Optional[str] = None, loc=None, ip=No
     """
     if acquire is not None and acquire not in _FENCE_SCOPES:
         raise ValueError(f"prefetch_tma_desc: acquire must be None or one of {_FENCE_SCOPES}, got {acquire!r}")
-    fence = "" if acquire is None else f"fence.proxy.tensormap::generic.acquire.{acquire} [$0], 128; "
+    fence = "" if acquire is None else _ACQUIRE_FENCE.format(scope=acquire) + " "
     _tensormap_asm(Int64(address).ir_value(loc=loc, ip=ip), fence + "prefetch.tensormap [$0];", loc, ip)
 
 
