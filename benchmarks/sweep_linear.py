@@ -2,12 +2,13 @@
 
     timeout 300 python benchmarks/sweep_linear.py [--csv PATH]     # < 4 min on an H200
 
-For each variant (the shipped defaults; "release-arrive": the cluster barrier's entry arrive in its release form, the
-default before run 10 (KernelOptions.relaxed_cluster_arrive); "evict-normal": the weight loaded without the L2
-evict-first hint (KernelOptions.weight_eviction); earlier runs also swept the whole SM's shared memory for the ring, the
-descriptor prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters that do not
-all run at once, the cluster split's bounds, a second wgmma in flight, PDL, the descriptor fence scope, shares of the
-shared memory and two CTAs per SM: see docs/linear.md), each shape N x K in SHAPES and M in MS (bf16, no bias): first
+For each variant (the shipped defaults, where launches of at most half the SMs trigger the next launch once the TMA
+warp has issued its last weight load, KernelOptions.load_trigger_grid; "load-trigger": every cluster and
+one-CTA-per-tile build does; "no-trigger": none does, they trigger at exit; earlier runs also swept the weight loaded
+without the L2 evict-first hint, the release form of the cluster barrier's entry arrive, the whole SM's shared memory
+for the ring, the descriptor prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K,
+clusters that do not all run at once, the cluster split's bounds, a second wgmma in flight, PDL, the descriptor fence
+scope, shares of the shared memory and two CTAs per SM: see docs/linear.md), each shape N x K in SHAPES and M in MS (bf16, no bias): first
 validate the variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|,
 output poisoned with NaN before the launch), then time it as CUDA events around replays of one CUDA graph of back-to-
 back calls, each on the next of several weight copies (together ~7x the 60 MB L2). cuBLAS (F.linear) is timed the same
@@ -43,7 +44,7 @@ from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us, in_s
 SHAPES = [(1024, 4096), (4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (28672, 4096), (10240, 8192),
           (8192, 28672), (57344, 8192)]
 MS = (1, 16, 32, 64)
-IN_SITU = ("shipped", "release-arrive", "evict-normal")
+IN_SITU = ("shipped",)  # the trigger does not reach a small kernel launched without PDL
 CALLS_PER_GRAPH = 40
 
 
@@ -53,8 +54,9 @@ def variants(linear):
     shipped = linear.DEFAULT_OPTIONS
     return {
         "shipped": shipped,
-        "release-arrive": shipped._replace(relaxed_cluster_arrive=False),  # the release form of the entry arrive
-        "evict-normal": shipped._replace(weight_eviction="normal"),  # weight loads without the evict-first hint
+        # every cluster and one-CTA-per-tile build triggers the next launch after its last weight load, not at exit
+        "load-trigger": shipped._replace(load_trigger=True),
+        "no-trigger": shipped._replace(load_trigger_grid=0.0),  # every one triggers at exit
     }
 
 

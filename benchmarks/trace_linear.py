@@ -53,7 +53,9 @@ def variants(linear):
             "no-prefetch": shipped._replace(descriptor_prefetch=""),
             "prefetch-acquired": shipped._replace(descriptor_prefetch="entry-acquired"),
             "release-arrive": shipped._replace(relaxed_cluster_arrive=False),
-            "full-ring": shipped._replace(smem_share=1), "evict-normal": shipped._replace(weight_eviction="normal")}
+            "full-ring": shipped._replace(smem_share=1), "evict-normal": shipped._replace(weight_eviction="normal"),
+            "load-trigger": shipped._replace(load_trigger=True),
+            "no-trigger": shipped._replace(load_trigger_grid=0.0)}
 
 
 def summarize(trace, fields, calls):

@@ -358,6 +358,16 @@ void remember_launch(const at::Tensor& weight, int64_t M, bool has_bias, std::op
   s.plans[key] = std::move(plan);
 }
 
+// Called from Python (GIL held): the plans' Python objects are released after the lock, under the GIL.
+void forget_launches() {
+  State& s = state();
+  std::map<PlanKey, Plan> forgotten;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    forgotten.swap(s.plans);
+  }
+}
+
 void remember_workspace(int device, uintptr_t stream, const at::Tensor& partials, const at::Tensor& arrivals) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
@@ -396,6 +406,7 @@ void register_linear_op(py::module& m) {
   m.def("linear_register_kernels", &register_kernels,
         "register tma::linear's CUDA and Autograd kernels (C++), with the Python kernels they hand calls to");
   m.def("linear_remember_launch", &remember_launch, "let the CUDA kernel make this launch without Python");
+  m.def("linear_forget_launches", &forget_launches, "drop every remembered launch (the next call plans again)");
   m.def("linear_remember_workspace", &remember_workspace, "the split-K workspace of a (device, stream)");
   m.def("linear_native_stats", &native_stats, "calls made by the C++ kernel and handed to Python; sizes");
   m.def("linear_lookup_for_test", &lookup_for_test, "the CUDA kernel's descriptor lookup, on any tensor");

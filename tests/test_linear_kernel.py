@@ -62,10 +62,11 @@ OPTION_VARIANTS = [
                          early_trigger=False, wgmma_in_flight=2),
     linear.KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, wgmma_in_flight=2),
     linear.DEFAULT_OPTIONS._replace(cluster_fit=False),
+    linear.DEFAULT_OPTIONS._replace(early_trigger=False, load_trigger=True),
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
-              f"{'-prefetch' * bool(o.descriptor_prefetch)}"
+              f"{'-prefetch' * bool(o.descriptor_prefetch)}{'-loadtrigger' * o.load_trigger}"
               for o in OPTION_VARIANTS]
 
 
@@ -173,7 +174,8 @@ def test_kernel_options_compile(options, tmp_path):
     loads = TMA_LOAD_DESCRIPTOR.findall(ptx)
     sites = 4 if options.weight_before_wait else 2
     assert len(loads) == sites and loads.count(fenced) == sites // 2, (fenced, loads)
-    assert ptx.count("griddepcontrol.launch_dependents;") == int(options.pdl and options.early_trigger)
+    assert ptx.count("griddepcontrol.launch_dependents;") == int(options.pdl and (options.early_trigger
+                                                                                  or options.load_trigger))
     assert (ptx.count("griddepcontrol.wait;") > 0) == options.pdl
     nvdisasm = _nvdisasm()
     if nvdisasm is not None:
@@ -230,6 +232,8 @@ def test_kernel_options_check():
         linear.KernelOptions(smem_share=4).check()
     with pytest.raises(ValueError, match="wgmma_in_flight"):
         linear.KernelOptions(wgmma_in_flight=3).check()
+    with pytest.raises(ValueError, match="load_trigger"):
+        linear.KernelOptions(load_trigger=True).check()
     with pytest.raises(ValueError, match="weight_eviction"):
         linear.KernelOptions(weight_eviction="last").check()
     assert linear.KernelOptions(ctas_per_sm=2).smem_slots == 2
@@ -339,6 +343,38 @@ def test_late_first_cta_build_spins_before_the_handshake(m_pad, cluster_k, tmp_p
     assert late.rindex("wgmma.wait_group.sync.aligned") < spin < late.index(after, spin), after
     with pytest.raises(ValueError, match="late_first_cta_ns"):
         linear.DEFAULT_OPTIONS._replace(late_first_cta_ns=1000).check()  # no cluster: nothing to be late for
+
+
+def test_crossover_by_weight_size():
+    """The op's cuBLAS crossover (CROSSOVER_M): M=16 under 16 MB of weight, M=32 from there on, both dtypes."""
+    for dtype in (torch.bfloat16, torch.float16):
+        assert linear.crossover_m(1024, 4096, dtype) == 16  # 8 MB: Llama-3-8B's k/v projections
+        assert linear.crossover_m(2048, 4096, dtype) == 32  # exactly 16 MB
+        assert linear.crossover_m(4096, 4096, dtype) == 32
+        assert linear.crossover_m(57344, 8192, dtype) == 32
+
+
+def test_load_trigger_policy():
+    """options_for turns load_trigger on for cluster-split launches of at most load_trigger_grid of the SMs (the
+    shipped half: Llama-3-8B's k/v projections, 64 CTAs on an H200), never for stream-K (which triggers at start)."""
+    capacity = (132, 66, 39, 30, 22, 17, 15, 15)  # an H200's (cluster_capacity)
+
+    def resolved(options, n, k, m=1):
+        o = linear.options_for(options, n, k, m, 132, capacity)
+        return o.load_trigger, linear.grid_size(n, k, 132, o)
+
+    shipped = linear.DEFAULT_OPTIONS
+    assert shipped.load_trigger_grid == 0.5 and not shipped.load_trigger
+    assert resolved(shipped, 1024, 4096) == (True, 64)
+    assert resolved(shipped, 1024, 4096, 64) == (True, 24)  # M=64: 3 CTAs per tile, what the partials fit
+    assert resolved(shipped, 4096, 4096) == (False, 96)
+    assert resolved(shipped, 14336, 4096) == (False, 112)
+    assert resolved(shipped._replace(load_trigger_grid=0.75), 4096, 4096) == (True, 96)
+    assert resolved(shipped._replace(load_trigger_grid=0.0), 1024, 4096) == (False, 64)
+    stream_k = linear.options_for(shipped, 57344, 8192, 1, 132, capacity)
+    assert stream_k.cluster_k == 0 and stream_k.early_trigger and not stream_k.load_trigger
+    with pytest.raises(ValueError, match="load_trigger_grid"):
+        shipped._replace(load_trigger_grid=1.5).check()
 
 
 def test_cluster_k_for_policy():

@@ -400,6 +400,12 @@ def test_ffi_call_raises_the_functions_error():
         torch_tma._C.ffi_call_for_test(tvm_ffi.convert(fn), [torch.zeros(2)], [], 0, 0, ops._ffi_library())
 
 
+def _sm_count_and_capacity() -> tuple[int, tuple[int, ...]]:
+    from torch_tma.kernels import linear
+
+    return torch.cuda.get_device_properties(0).multi_processor_count, linear.cluster_capacity(0)
+
+
 def _native_calls() -> tuple[int, int]:
     """(calls the native CUDA kernel made itself, calls it handed to the Python kernel) so far."""
     stats = ops.native_stats()
@@ -419,6 +425,49 @@ def test_steady_state_calls_run_native(leading, bias):
         out = torch.ops.tma.linear(x, weight, b)
         assert _native_calls() == (fast + 1, slow)
         assert_matches_reference(out, *reference(x, weight, b))
+
+
+def test_reset_launches_forgets_the_native_plans():
+    ops._remembered.add((0, 1234))  # a stream workspace handed over: kept
+    ops._remembered.add((0, torch.bfloat16, 1, 8, 8, False, None))  # a launch: forgotten
+    try:
+        ops.reset_launches()
+        assert ops.native_stats()["plans"] == 0
+        assert (0, 1234) in ops._remembered
+        assert (0, torch.bfloat16, 1, 8, 8, False, None) not in ops._remembered
+    finally:
+        ops._remembered.discard((0, 1234))
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(CUDA_TIMEOUT_S)
+def test_reset_launches_plans_again_from_the_options(monkeypatch):
+    """After reset_launches, a shape's next call goes through Python and compiles from the current DEFAULT_OPTIONS
+    (a benchmark comparing options in one process relies on it), and the results stay right."""
+    from torch_tma.kernels import linear
+
+    x, weight, b = random_linear((4,), 640, 1024, torch.bfloat16, "cuda", True)
+    torch.ops.tma.linear(x, weight, b)
+    torch.ops.tma.linear(x, weight, b)  # native
+    monkeypatch.setattr(linear, "DEFAULT_OPTIONS", linear.DEFAULT_OPTIONS._replace(load_trigger=True))
+    try:
+        ops.reset_launches()
+        assert ops.native_stats()["plans"] == 0
+        assert linear._launch_config.cache_info().currsize == 0
+        fast, slow = _native_calls()
+        poison_next_allocation((4, 640), x.dtype, "cuda")
+        out = torch.ops.tma.linear(x, weight, b)
+        assert _native_calls() == (fast, slow + 1)
+        launch = linear._launch_config(0, torch.bfloat16, 4, 640, 1024, True)  # what the call planned: cached
+        assert linear._launch_config.cache_info().currsize == 1
+        options = linear.options_for(linear.DEFAULT_OPTIONS, 640, 1024, 4, *_sm_count_and_capacity())
+        assert options.load_trigger
+        assert launch[0] is linear.compile_kernel(linear._DTYPES[torch.bfloat16], 8, True, options=options)
+        assert ops.native_stats()["plans"] == 1
+        assert_matches_reference(out, *reference(x, weight, b))
+    finally:
+        monkeypatch.undo()
+        ops.reset_launches()
 
 
 @pytest.mark.requires_sm90

@@ -25,6 +25,7 @@ import importlib
 import inspect
 import logging
 import re
+import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -267,6 +268,16 @@ def _remember_launch(x2d, weight, bias, l2_promotion, plan: "_Plan") -> None:
     if ws is not None and (device, stream) not in _remembered:
         _C.linear_remember_workspace(device, stream, ws.partials, ws.arrivals)
         _remembered.add((device, stream))
+
+
+def reset_launches() -> None:
+    """Forget every launch the op has planned (the compiled kernel and grid per shape, in Python and in the native
+    CUDA kernel), so each shape's next call plans again from kernels.linear.DEFAULT_OPTIONS. For benchmarks that
+    compare kernel options in one process; a CUDA graph captured before keeps the kernels it captured."""
+    _C.linear_forget_launches()
+    _remembered.difference_update([key for key in _remembered if len(key) != 2])  # (device, stream) stay
+    if "torch_tma.kernels.linear" in sys.modules:  # not imported: nothing planned in Python yet
+        _kernels()._launch_config.cache_clear()
 
 
 def native_stats() -> dict:

@@ -29,7 +29,9 @@ How (160 threads per CTA):
   memory holds (KernelOptions.smem_share=2, chosen by measurement: see DEFAULT_OPTIONS); warps 0-3 run wgmma,
   release each stage, and do the fix-up and epilogue, so loads keep flowing while a tile is written out.
 - Programmatic dependent launch: weight blocks are loaded before griddepcontrol.wait, x and every output
-  after it, so the start overlaps the previous kernel when that one lets it.
+  after it, so the start overlaps the previous kernel when that one lets it. A launch lets the next one start at
+  its CTAs' exit, or, where it takes at most half the SMs (KernelOptions.load_trigger_grid), once each CTA's TMA
+  warp has issued its last weight load.
 
 Host path per call: validate (unsupported_reason) -> plan (cached per dtype, m_pad, bias) -> compiled
 kernel (cached, one per static configuration, TVM-FFI) -> launch on the current torch stream.
@@ -109,14 +111,13 @@ _CLUSTER_SCOPE = nvvm.MemScopeKind.CLUSTER  # a remote mbarrier arrive that rele
 DEFAULT_L2_PROMOTION = L2Promotion.L2_128B
 
 # Largest M at which this kernel is used, per weight-size class: (upper bound of N*K*element bytes,
-# max M); above it the op falls back to cuBLAS. From benchmarks/sweep_linear.py on the H200 (runs 4 and 5,
-# 2026-12-03, docs/results/sweep-linear-h200-run{4,5}.*; the cluster split at every M), kernel vs cuBLAS, back to
-# back and in situ: under 64 MB (1024x4096, 4096x4096, 6144x4096) 0.90-0.99x at M=32 and 0.66-0.87x at M=64;
-# 64-256 MB (14336x4096, 4096x14336, 28672x4096, 10240x8192) 0.97-1.17x at M=32 (only 4096x14336 slower,
-# 0.97-0.99x) and 0.84-1.06x at M=64; from 256 MB (8192x28672, 57344x8192) 1.04-1.06x at M=32, 0.95-1.06x at M=64.
+# max M); above it the op falls back to cuBLAS. From benchmarks/sweep_linear.py on the H200, kernel vs cuBLAS, back
+# to back and in situ. Runs 4 and 5 (2026-12-03, docs/results/sweep-linear-h200-run{4,5}.*, the cluster split at every
+# M) put M=32 at 0.90-0.99x under 64 MB and 0.97-1.17x above, M=64 at 0.66-1.06x. With the weight loaded evict-first
+# (run 11 and the grid docs/results/linear-h200.*), M=32 became 1.04-1.06x on 4096x4096 and 1.00-1.04x on 6144x4096
+# (32 and 48 MB); 1024x4096 (8 MB) stayed 1.01x back to back, 0.98x in situ.
 CROSSOVER_M = (
-    (64 << 20, 16),
-    (256 << 20, 32),
+    (16 << 20, 16),
     (math.inf, 32),
 )
 
@@ -133,6 +134,15 @@ class KernelOptions(NamedTuple):
         previous kernel's tail.
     early_trigger: with pdl, trigger the dependent launch as each CTA starts (above); False leaves the trigger to
         the CTAs' exit, so the next launch is staged but none of its CTAs shares an SM with this one.
+    load_trigger: with pdl and early_trigger False, the TMA warp triggers the dependent launch as soon as it has issued
+        its run's last weight load, instead of leaving it to the CTA's exit: the next launch's CTAs take the SMs'
+        second shared-memory slot while this launch streams its last stages, and (weight_before_wait) start loading
+        their own weight. A trigger is once per CTA, whichever thread issues it first (PTX griddepcontrol).
+        Static; options_for() sets it from load_trigger_grid.
+    load_trigger_grid: the load_trigger policy: options_for() turns load_trigger on for cluster-split builds (and one
+        CTA per row tile) whose grid is at most this share of the SMs (0: never; 1: all of them). The next launch's
+        CTAs take the SMs this one leaves free; where there are too few, the GPU places two CTAs of that launch on
+        one SM (benchmarks/trace_linear.py: 4096x4096 after itself ran on 80 SMs, 16 of them holding two CTAs).
     weight_before_wait: with pdl, the TMA warp fills the ring with weight blocks before
         griddepcontrol.wait and adds the x blocks after it. Valid only when the kernel just before this
         one in the stream does not write the weight (decode: weights are constant).
@@ -191,6 +201,8 @@ class KernelOptions(NamedTuple):
     ctas_per_sm: int = 1
     smem_share: int = 1
     early_trigger: bool = True
+    load_trigger: bool = False
+    load_trigger_grid: float = 0.0
     cluster_split: int = 0
     cluster_k: int = 0
     cluster_max_k: int = MAX_CLUSTER_K
@@ -212,6 +224,12 @@ class KernelOptions(NamedTuple):
     def check(self) -> None:
         if self.fence_scope not in ("sys", "gpu"):
             raise ValueError(f"KernelOptions.fence_scope must be 'sys' or 'gpu', got {self.fence_scope!r}")
+        if (self.load_trigger or self.load_trigger_grid) and not self.pdl:
+            raise ValueError("KernelOptions.load_trigger and load_trigger_grid need pdl=True (there is no dependent "
+                             "launch to trigger)")
+        if not 0 <= self.load_trigger_grid <= 1:
+            raise ValueError(f"KernelOptions.load_trigger_grid must be a share of the SMs, 0..1, got "
+                             f"{self.load_trigger_grid!r}")
         if self.weight_before_wait and not self.pdl:
             raise ValueError("KernelOptions.weight_before_wait needs pdl=True (there is no wait to load before)")
         if self.ctas_per_sm not in (1, 2):
@@ -287,9 +305,15 @@ class KernelOptions(NamedTuple):
 # 35 of 36 cells in situ (14336x4096 M=16 29.27 vs 30.87 us). In the decode benchmark at batch 1 it took the swapped
 # model from 1.057x to 1.092x over stock (docs/results/decode-eviction-h200.log): the rest of the step no longer loses
 # what it rereads from L2 to the weight stream.
+# Sweep run 12 and trace run 7 (docs/results/sweep-linear-h200-run12.*, trace-linear-h200-run7.*): triggering the next
+# launch once the TMA warp has issued its last weight load (load_trigger) instead of at exit took 1024x4096 M=1 from 5.38
+# to 4.80 us back to back (its 64 CTAs leave the next launch 68 free SMs), but where two launches of 96 CTAs or more
+# overlap, the second ran two CTAs on some SMs (4096x4096 M=1: 80 SMs, 16 with two; 10.44 -> 11.21 us) and 4096x14336
+# lost at every M. So only launches of at most half the SMs trigger early (load_trigger_grid=0.5): in a decode step, the
+# v projection after the k one (docs/linear.md).
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                                 cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
-                                weight_eviction="first")
+                                weight_eviction="first", load_trigger_grid=0.5)
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -521,9 +545,10 @@ def cluster_k_for(N: int, K: int, m_pad_: int, sm_count: int, ctas_per_sm: int, 
 
 def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
                 capacity: tuple[int, ...] = ()) -> "KernelOptions":
-    """options resolved for one problem shape: cluster_k set from the cluster_split policy (cluster_k_for), and a
-    cluster-split build never triggers its dependents early. capacity: the GPU's cluster_capacity, needed when
-    options.cluster_fit.
+    """options resolved for one problem shape: cluster_k set from the cluster_split policy (cluster_k_for); a
+    cluster-split build never triggers its dependents at its start, and triggers them after its last weight load
+    (load_trigger) where its grid is at most options.load_trigger_grid of the SMs. capacity: the GPU's
+    cluster_capacity, needed when options.cluster_fit.
 
     Why not early: with the trigger at CTA start, the next launch's CTAs take the second slot of SMs this launch
     runs on, and cluster placement then piles two CTAs of one launch on many SMs (benchmarks/trace_linear.py on
@@ -539,7 +564,8 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
                               options.cluster_max_k, options.cluster_max_m_pad,
                               capacity if options.cluster_fit else ())
     if cluster_k:
-        return options._replace(cluster_k=cluster_k, early_trigger=False)
+        small = -(-N // TILE_N) * cluster_k <= options.load_trigger_grid * sm_count
+        return options._replace(cluster_k=cluster_k, early_trigger=False, load_trigger=options.load_trigger or small)
     return options._replace(cluster_k=0)
 
 
@@ -827,6 +853,8 @@ class WeightStreamingLinear:
             if col == k_blocks * TILE_K:
                 col = 0
                 row = row + TILE_N
+        if cutlass.const_expr(self.options.pdl and self.options.load_trigger and not self.options.early_trigger):
+            cute.arch.griddepcontrol_launch_dependents()  # every weight load of this CTA is issued
         loads.producer_tail(state)
 
     @staticmethod
