@@ -307,8 +307,8 @@ class KernelOptions(NamedTuple):
 # what it rereads from L2 to the weight stream.
 # Sweep run 12 and trace run 7 (docs/results/sweep-linear-h200-run12.*, trace-linear-h200-run7.*): triggering the next
 # launch once the TMA warp has issued its last weight load (load_trigger) instead of at exit took 1024x4096 M=1 from 5.38
-# to 4.80 us back to back (its 64 CTAs leave the next launch 68 free SMs), but where two launches of 96 CTAs or more
-# overlap, the second ran two CTAs on some SMs (4096x4096 M=1: 80 SMs, 16 with two; 10.44 -> 11.21 us) and 4096x14336
+# to 4.80 us back to back (its 64 CTAs leave the next launch 68 free SMs), but where two launches of 96 CTAs overlap,
+# the second ran two CTAs on some SMs (4096x4096 M=1: 80 SMs, 16 with two; 10.44 -> 11.21 us) and 4096x14336
 # lost at every M. So only launches of at most half the SMs trigger early (load_trigger_grid=0.5): in a decode step, the
 # v projection after the k one (docs/linear.md).
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
