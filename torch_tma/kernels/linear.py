@@ -135,9 +135,9 @@ class KernelOptions(NamedTuple):
     early_trigger: with pdl, trigger the dependent launch as each CTA starts (above); False leaves the trigger to
         the CTAs' exit, so the next launch is staged but none of its CTAs shares an SM with this one.
     load_trigger: with pdl and early_trigger False, the TMA warp triggers the dependent launch as soon as it has issued
-        its run's last weight load, instead of leaving it to the CTA's exit: the next launch's CTAs take the SMs'
-        second shared-memory slot while this launch streams its last stages, and (weight_before_wait) start loading
-        their own weight. A trigger is once per CTA, whichever thread issues it first (PTX griddepcontrol).
+        its run's last weight load, instead of leaving it to the CTA's exit: the next launch's CTAs start (on free SMs, or
+        in the second shared-memory slot of this launch's) while this launch streams its last stages, and
+        (weight_before_wait) load their own weight. A trigger is once per CTA, whichever thread issues it first (PTX griddepcontrol).
         Static; options_for() sets it from load_trigger_grid.
     load_trigger_grid: the load_trigger policy: options_for() turns load_trigger on for cluster-split builds (and one
         CTA per row tile) whose grid is at most this share of the SMs (0: never; 1: all of them). The next launch's
