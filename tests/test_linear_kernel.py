@@ -345,13 +345,23 @@ def test_late_first_cta_build_spins_before_the_handshake(m_pad, cluster_k, tmp_p
         linear.DEFAULT_OPTIONS._replace(late_first_cta_ns=1000).check()  # no cluster: nothing to be late for
 
 
-def test_crossover_by_weight_size():
-    """The op's cuBLAS crossover (CROSSOVER_M): M=16 under 16 MB of weight, M=32 from there on, both dtypes."""
+def test_crossover_by_weight_size_and_launch():
+    """The op's cuBLAS crossover: M=16 under 16 MB of weight, M=32 from there on (CROSSOVER_M), both dtypes; and on a
+    GPU (an H200's SM count and cluster capacity) M=64 from 64 MB where the M=64 launch is a cluster-split or
+    one-CTA-per-tile build on at least 70 % of the SMs."""
+    h200 = (132, (132, 66, 39, 30, 22, 17, 15, 15))
     for dtype in (torch.bfloat16, torch.float16):
         assert linear.crossover_m(1024, 4096, dtype) == 16  # 8 MB: Llama-3-8B's k/v projections
         assert linear.crossover_m(2048, 4096, dtype) == 32  # exactly 16 MB
         assert linear.crossover_m(4096, 4096, dtype) == 32
         assert linear.crossover_m(57344, 8192, dtype) == 32
+        assert linear.crossover_m(1024, 4096, dtype, *h200) == 16
+        assert linear.crossover_m(4096, 4096, dtype, *h200) == 32  # 96 CTAs, but 32 MB
+        for n, k in ((14336, 4096), (4096, 14336), (28672, 4096), (8192, 28672)):  # 112, 96, 224, 128 CTAs
+            assert linear.crossover_m(n, k, dtype, *h200) == 64, (n, k)
+        assert linear.crossover_m(10240, 8192, dtype, *h200) == 32  # 80 CTAs
+        assert linear.crossover_m(57344, 8192, dtype, *h200) == 32  # stream-K
+        assert linear.crossover_m(4096, 14336, dtype, 264, (264, 132, 78, 60, 44, 34, 30, 30)) == 32  # 96 CTAs of 264
 
 
 def test_load_trigger_policy():
@@ -686,6 +696,24 @@ def test_unsupported_reasons():
     for expected, args in cases.items():
         reason = linear.unsupported_reason(*args)
         assert reason is not None and expected in reason, (expected, reason)
+
+
+@on_gpu
+def test_crossover_on_this_gpu():
+    """On an H200 the op takes M=64 for 4096x14336 (its M=64 launch: 96 of 132 SMs) and hands it to cuBLAS for
+    10240x8192 (80 SMs) above M=32; both weights are over 64 MB."""
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    if sm_count != 132:
+        pytest.skip(f"the expected crossovers are an H200's (132 SMs), this GPU has {sm_count}")
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    for (n, k), expected in (((4096, 14336), None), ((10240, 8192), "above the crossover M=32")):
+        weight = torch.empty(n, k, **bf16)
+        reason = linear.unsupported_reason(torch.randn(64, k, **bf16), weight, None)
+        if expected is None:
+            assert reason is None, (n, k, reason)
+        else:
+            assert reason is not None and expected in reason, (n, k, reason)
+        assert linear.unsupported_reason(torch.randn(32, k, **bf16), weight, None) is None
 
 
 def _launch_chain(options, problems, outs, partials, arrivals):

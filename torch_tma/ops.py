@@ -278,6 +278,7 @@ def reset_launches() -> None:
     _remembered.difference_update([key for key in _remembered if len(key) != 2])  # (device, stream) stay
     if "torch_tma.kernels.linear" in sys.modules:  # not imported: nothing planned in Python yet
         _kernels()._launch_config.cache_clear()
+        _kernels()._device_crossover.cache_clear()  # its M=64 part follows DEFAULT_OPTIONS too
 
 
 def native_stats() -> dict:

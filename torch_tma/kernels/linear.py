@@ -120,6 +120,13 @@ CROSSOVER_M = (
     (16 << 20, 16),
     (math.inf, 32),
 )
+# ... and M=64 (the largest tile) from FULL_CROSSOVER_BYTES of weight where the kernel's M=64 launch is a cluster-split
+# or one-CTA-per-row-tile build on at least FULL_CROSSOVER_SMS of the SMs (crossover_m). Sweep runs 11-13 at M=64, kernel
+# vs cuBLAS back to back / in situ: 14336x4096 (112 CTAs) 1.05-1.06x / 1.07-1.08x, 4096x14336 (96) 1.03-1.04x /
+# 1.04-1.05x, 28672x4096 (224) 1.03-1.04x / 1.04-1.05x, 8192x28672 (128) 1.11x / 1.07-1.11x; but 10240x8192 (80 CTAs,
+# 61 % of the SMs) 0.85-0.87x / 0.87-0.89x, 57344x8192 (stream-K) 0.96-0.97x / 0.95-0.96x, and under 64 MB 0.72-0.96x.
+FULL_CROSSOVER_BYTES = 64 << 20
+FULL_CROSSOVER_SMS = 0.7
 
 
 class KernelOptions(NamedTuple):
@@ -337,10 +344,25 @@ def weight_swizzle(dtype: torch.dtype) -> Swizzle:
     return Swizzle.B128
 
 
-def crossover_m(N: int, K: int, dtype: torch.dtype) -> int:
-    """Largest M this kernel takes for an N x K weight (see CROSSOVER_M)."""
+def crossover_m(N: int, K: int, dtype: torch.dtype, sm_count: int = 0, capacity: tuple[int, ...] = ()) -> int:
+    """Largest M this kernel takes for an N x K weight: CROSSOVER_M by weight size, and given the GPU's SM count (and
+    its cluster_capacity, where DEFAULT_OPTIONS.cluster_fit), M_PADS[-1] where the M=64 launch fills the GPU
+    (FULL_CROSSOVER_BYTES, FULL_CROSSOVER_SMS)."""
     weight_bytes = N * K * torch.finfo(dtype).bits // 8
-    return next(max_m for bound, max_m in CROSSOVER_M if weight_bytes < bound)
+    max_m = next(max_m for bound, max_m in CROSSOVER_M if weight_bytes < bound)
+    if sm_count and weight_bytes >= FULL_CROSSOVER_BYTES:
+        options = options_for(DEFAULT_OPTIONS, N, K, M_PADS[-1], sm_count, capacity)
+        if options.cluster_k and grid_size(N, K, sm_count, options) >= FULL_CROSSOVER_SMS * sm_count:
+            return M_PADS[-1]
+    return max_m
+
+
+@functools.cache
+def _device_crossover(device_index: int, dtype: torch.dtype, N: int, K: int) -> int:
+    """crossover_m on CUDA device `device_index`, once per shape (the first time an M above the weight-size class
+    comes: it may query the driver, cluster_capacity)."""
+    capacity = cluster_capacity(device_index) if DEFAULT_OPTIONS.cluster_fit else ()
+    return crossover_m(N, K, dtype, _sm_count(device_index), capacity)
 
 
 @functools.cache
@@ -442,7 +464,9 @@ def unsupported_reason(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     if M > M_PADS[-1]:
         return f"M={M} is above the kernel's largest tile M={M_PADS[-1]}"
     if crossover and M > max_m:
-        return f"M={M} is above the crossover M={max_m} for a {N}x{K} weight"
+        max_m = _device_crossover(device_index, dtype, N, K)  # the launch-dependent part, above the size class
+        if M > max_m:
+            return f"M={M} is above the crossover M={max_m} for a {N}x{K} weight"
     if weight.stride() != (K, 1):
         return f"weight is not contiguous (strides {weight.stride()})"
     x_stride = x2d.stride()
