@@ -114,8 +114,8 @@ DEFAULT_L2_PROMOTION = L2Promotion.L2_128B
 # max M); above it the op falls back to cuBLAS. From benchmarks/sweep_linear.py on the H200, kernel vs cuBLAS, back
 # to back and in situ. Runs 4 and 5 (2026-12-03, docs/results/sweep-linear-h200-run{4,5}.*, the cluster split at every
 # M) put M=32 at 0.90-0.99x under 64 MB and 0.97-1.17x above, M=64 at 0.66-1.06x. With the weight loaded evict-first
-# (run 11 and the grid docs/results/linear-h200.*), M=32 became 1.04-1.06x on 4096x4096 and 1.00-1.04x on 6144x4096
-# (32 and 48 MB); 1024x4096 (8 MB) stayed 1.01x back to back, 0.98x in situ.
+# (runs 11-13 and the grids docs/results/linear-h200*.csv), M=32 was 1.04-1.07x on 4096x4096 and 1.00-1.05x on
+# 6144x4096 (32 and 48 MB); 1024x4096 (8 MB) stayed 0.98x in situ.
 CROSSOVER_M = (
     (16 << 20, 16),
     (math.inf, 32),
