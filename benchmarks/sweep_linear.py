@@ -8,12 +8,12 @@ one-CTA-per-tile build does; "no-trigger": none does, they trigger at exit; earl
 without the L2 evict-first hint, the release form of the cluster barrier's entry arrive, the whole SM's shared memory
 for the ring, the descriptor prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K,
 clusters that do not all run at once, the cluster split's bounds, a second wgmma in flight, PDL, the descriptor fence
-scope, shares of the shared memory and two CTAs per SM: see docs/linear.md), each shape N x K in SHAPES and M in MS (bf16, no bias): first
-validate the variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|,
-output poisoned with NaN before the launch), then time it as CUDA events around replays of one CUDA graph of back-to-
-back calls, each on the next of several weight copies (together ~7x the 60 MB L2). cuBLAS (F.linear) is timed the same
-way in the same run. Variants launch the compiled kernel directly with their own split-K workspace, so the host path
-(linear_out) is not involved.
+scope, shares of the shared memory and two CTAs per SM: see docs/linear.md), each shape N x K in SHAPES and M in MS
+(bf16, no bias): first validate the variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear -
+ref64| + eps * max|ref64|, output poisoned with NaN before the launch), then time it as CUDA events around replays of
+one CUDA graph of back-to-back calls, each on the next of several weight copies (together ~7x the 60 MB L2). cuBLAS
+(F.linear) is timed the same way in the same run. Variants launch the compiled kernel directly with their own split-K
+workspace, so the host path (linear_out) is not involved.
 
 "In situ" (the IN_SITU variants and cuBLAS): the same graph with a small elementwise kernel on x before every
 call (x *= 1), as in a model where a norm or an activation feeds each linear layer; the time per call is the

@@ -114,17 +114,17 @@ DEFAULT_L2_PROMOTION = L2Promotion.L2_128B
 # max M); above it the op falls back to cuBLAS. From benchmarks/sweep_linear.py on the H200, kernel vs cuBLAS, back
 # to back and in situ. Runs 4 and 5 (2026-12-03, docs/results/sweep-linear-h200-run{4,5}.*, the cluster split at every
 # M) put M=32 at 0.90-0.99x under 64 MB and 0.97-1.17x above, M=64 at 0.66-1.06x. With the weight loaded evict-first
-# (runs 11-13 and the grids docs/results/linear-h200*.csv), M=32 was 1.04-1.07x on 4096x4096 and 1.00-1.05x on
-# 6144x4096 (32 and 48 MB); 1024x4096 (8 MB) stayed 0.98x in situ.
+# (runs 11-13 and the grids docs/results/linear-h200.csv and linear-h200-before-full-crossover.csv), M=32 was 1.04-1.07x
+# on 4096x4096 and 1.00-1.05x on 6144x4096 (32 and 48 MB); 1024x4096 (8 MB) stayed 0.98x in situ.
 CROSSOVER_M = (
     (16 << 20, 16),
     (math.inf, 32),
 )
 # ... and M=64 (the largest tile) from FULL_CROSSOVER_BYTES of weight where the kernel's M=64 launch is a cluster-split
-# or one-CTA-per-row-tile build on at least FULL_CROSSOVER_SMS of the SMs (crossover_m). Sweep runs 11-13 at M=64, kernel
-# vs cuBLAS back to back / in situ: 14336x4096 (112 CTAs) 1.05-1.06x / 1.07-1.08x, 4096x14336 (96) 1.03-1.04x /
+# or one-CTA-per-row-tile build on at least FULL_CROSSOVER_SMS of the SMs (crossover_m). Sweep runs 11-13 at M=64,
+# kernel vs cuBLAS back to back / in situ: 14336x4096 (112 CTAs) 1.05-1.06x / 1.07-1.08x, 4096x14336 (96) 1.03-1.04x /
 # 1.04-1.05x, 28672x4096 (224) 1.03-1.04x / 1.04-1.05x, 8192x28672 (128) 1.11x / 1.07-1.11x; but 10240x8192 (80 CTAs,
-# 61 % of the SMs) 0.85-0.87x / 0.87-0.89x, 57344x8192 (stream-K) 0.96-0.97x / 0.95-0.96x, and under 64 MB 0.72-0.96x.
+# 61 % of the SMs) 0.85-0.87x / 0.87-0.88x, 57344x8192 (stream-K) 0.96-0.97x / 0.94-0.96x, and under 64 MB 0.72-0.96x.
 FULL_CROSSOVER_BYTES = 64 << 20
 FULL_CROSSOVER_SMS = 0.7
 
@@ -142,10 +142,10 @@ class KernelOptions(NamedTuple):
     early_trigger: with pdl, trigger the dependent launch as each CTA starts (above); False leaves the trigger to
         the CTAs' exit, so the next launch is staged but none of its CTAs shares an SM with this one.
     load_trigger: with pdl and early_trigger False, the TMA warp triggers the dependent launch as soon as it has issued
-        its run's last weight load, instead of leaving it to the CTA's exit: the next launch's CTAs start (on free SMs, or
-        in the second shared-memory slot of this launch's) while this launch streams its last stages, and
-        (weight_before_wait) load their own weight. A trigger is once per CTA, whichever thread issues it first (PTX griddepcontrol).
-        Static; options_for() sets it from load_trigger_grid.
+        its run's last weight load, instead of leaving it to the CTA's exit: the next launch's CTAs start (on free
+        SMs, or in the second shared-memory slot of this launch's) while this launch streams its last stages, and
+        (weight_before_wait) load their own weight. A trigger is once per CTA, whichever thread issues it first (PTX
+        griddepcontrol). Static; options_for() sets it from load_trigger_grid.
     load_trigger_grid: the load_trigger policy: options_for() turns load_trigger on for cluster-split builds (and one
         CTA per row tile) whose grid is at most this share of the SMs (0: never; 1: all of them). The next launch's
         CTAs take the SMs this one leaves free; where there are too few, the GPU places two CTAs of that launch on
@@ -313,9 +313,9 @@ class KernelOptions(NamedTuple):
 # model from 1.057x to 1.092x over stock (docs/results/decode-eviction-h200.log): the rest of the step no longer loses
 # what it rereads from L2 to the weight stream.
 # Sweep run 12 and trace run 7 (docs/results/sweep-linear-h200-run12.*, trace-linear-h200-run7.*): triggering the next
-# launch once the TMA warp has issued its last weight load (load_trigger) instead of at exit took 1024x4096 M=1 from 5.38
-# to 4.80 us back to back (its 64 CTAs leave the next launch 68 free SMs), but where two launches of 96 CTAs overlap,
-# the second ran two CTAs on some SMs (4096x4096 M=1: 80 SMs, 16 with two; 10.44 -> 11.21 us) and 4096x14336
+# launch once the TMA warp has issued its last weight load (load_trigger) instead of at exit took 1024x4096 M=1 from
+# 5.38 to 4.80 us back to back (its 64 CTAs leave the next launch 68 free SMs), but where two launches of 96 CTAs
+# overlap, the second ran two CTAs on some SMs (4096x4096 M=1: 80 SMs, 16 with two; 10.44 -> 11.21 us) and 4096x14336
 # lost at every M. So only launches of at most half the SMs trigger early (load_trigger_grid=0.5): in a decode step, the
 # v projection after the k one (docs/linear.md).
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
@@ -346,8 +346,8 @@ def weight_swizzle(dtype: torch.dtype) -> Swizzle:
 
 def crossover_m(N: int, K: int, dtype: torch.dtype, sm_count: int = 0, capacity: tuple[int, ...] = ()) -> int:
     """Largest M this kernel takes for an N x K weight: CROSSOVER_M by weight size, and given the GPU's SM count (and
-    its cluster_capacity, where DEFAULT_OPTIONS.cluster_fit), M_PADS[-1] where the M=64 launch fills the GPU
-    (FULL_CROSSOVER_BYTES, FULL_CROSSOVER_SMS)."""
+    its cluster_capacity, where DEFAULT_OPTIONS.cluster_fit), M_PADS[-1] from FULL_CROSSOVER_BYTES of weight where the
+    M=64 launch is a cluster-split or one-CTA-per-tile build on at least FULL_CROSSOVER_SMS of the SMs."""
     weight_bytes = N * K * torch.finfo(dtype).bits // 8
     max_m = next(max_m for bound, max_m in CROSSOVER_M if weight_bytes < bound)
     if sm_count and weight_bytes >= FULL_CROSSOVER_BYTES:
