@@ -400,12 +400,6 @@ def test_ffi_call_raises_the_functions_error():
         torch_tma._C.ffi_call_for_test(tvm_ffi.convert(fn), [torch.zeros(2)], [], 0, 0, ops._ffi_library())
 
 
-def _sm_count_and_capacity() -> tuple[int, tuple[int, ...]]:
-    from torch_tma.kernels import linear
-
-    return torch.cuda.get_device_properties(0).multi_processor_count, linear.cluster_capacity(0)
-
-
 def _native_calls() -> tuple[int, int]:
     """(calls the native CUDA kernel made itself, calls it handed to the Python kernel) so far."""
     stats = ops.native_stats()
@@ -460,7 +454,7 @@ def test_reset_launches_plans_again_from_the_options(monkeypatch):
         assert _native_calls() == (fast, slow + 1)
         launch = linear._launch_config(0, torch.bfloat16, 4, 640, 1024, True)  # what the call planned: cached
         assert linear._launch_config.cache_info().currsize == 1
-        options = linear.options_for(linear.DEFAULT_OPTIONS, 640, 1024, 4, *_sm_count_and_capacity())
+        options = linear.options_for(linear.DEFAULT_OPTIONS, 640, 1024, 4, *linear._device_limits(0))
         assert options.load_trigger
         assert launch[0] is linear.compile_kernel(linear._DTYPES[torch.bfloat16], 8, True, options=options)
         assert ops.native_stats()["plans"] == 1

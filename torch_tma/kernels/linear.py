@@ -361,8 +361,7 @@ def crossover_m(N: int, K: int, dtype: torch.dtype, sm_count: int = 0, capacity:
 def _device_crossover(device_index: int, dtype: torch.dtype, N: int, K: int) -> int:
     """crossover_m on CUDA device `device_index`, once per shape (the first time an M above the weight-size class
     comes: it may query the driver, cluster_capacity)."""
-    capacity = cluster_capacity(device_index) if DEFAULT_OPTIONS.cluster_fit else ()
-    return crossover_m(N, K, dtype, _sm_count(device_index), capacity)
+    return crossover_m(N, K, dtype, *_device_limits(device_index))
 
 
 @functools.cache
@@ -421,6 +420,12 @@ def cluster_capacity(device_index: int) -> tuple[int, ...]:
             return tuple(capacity)
         finally:
             _driver_result("cuModuleUnload", cuda.cuModuleUnload(module))
+
+
+def _device_limits(device_index: int) -> tuple[int, tuple[int, ...]]:
+    """(SM count, cluster_capacity or () where DEFAULT_OPTIONS does not fit clusters): what options_for needs to know
+    of CUDA device `device_index`."""
+    return _sm_count(device_index), cluster_capacity(device_index) if DEFAULT_OPTIONS.cluster_fit else ()
 
 
 @functools.cache
@@ -588,8 +593,9 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
                               options.cluster_max_k, options.cluster_max_m_pad,
                               capacity if options.cluster_fit else ())
     if cluster_k:
-        small = -(-N // TILE_N) * cluster_k <= options.load_trigger_grid * sm_count
-        return options._replace(cluster_k=cluster_k, early_trigger=False, load_trigger=options.load_trigger or small)
+        resolved = options._replace(cluster_k=cluster_k, early_trigger=False)
+        small = grid_size(N, K, sm_count, resolved) <= options.load_trigger_grid * sm_count
+        return resolved._replace(load_trigger=options.load_trigger or small)
     return options._replace(cluster_k=0)
 
 
@@ -1179,8 +1185,7 @@ def _workspace(device_index: int) -> _Workspace:
 def _launch_config(device_index: int, dtype: torch.dtype, M: int, N: int, K: int, has_bias: bool):
     """(compiled kernel, num_ctas) of one problem shape: compile_kernel's cache key and the grid, worked out
     once per shape rather than on every call."""
-    sm_count = _sm_count(device_index)
-    capacity = cluster_capacity(device_index) if DEFAULT_OPTIONS.cluster_fit else ()
+    sm_count, capacity = _device_limits(device_index)
     options = options_for(DEFAULT_OPTIONS, N, K, M, sm_count, capacity)
     compiled = compile_kernel(_DTYPES[dtype], m_pad(M), has_bias, options=options)
     return compiled, grid_size(N, K, sm_count, options)
