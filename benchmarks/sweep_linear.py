@@ -1,24 +1,28 @@
 """Sweep of the linear kernel's static options (torch_tma.kernels.linear.KernelOptions) on the H200.
 
-    timeout 300 python benchmarks/sweep_linear.py [--csv PATH]     # < 4 min on an H200
+    timeout 300 python benchmarks/sweep_linear.py [--csv PATH] [--variant NAME ...] [--in-situ NAME ...] [--ms M ...]
 
 For each variant (the shipped defaults, where launches of at most half the SMs trigger the next launch once the TMA
 warp has issued its last weight load, KernelOptions.load_trigger_grid; "load-trigger": every cluster and
-one-CTA-per-tile build does; "no-trigger": none does, they trigger at exit; earlier runs also swept the weight loaded
-without the L2 evict-first hint, the release form of the cluster barrier's entry arrive, the whole SM's shared memory
-for the ring, the descriptor prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K,
-clusters that do not all run at once, the cluster split's bounds, a second wgmma in flight, PDL, the descriptor fence
-scope, shares of the shared memory and two CTAs per SM: see docs/linear.md), each shape N x K in SHAPES and M in MS
-(bf16, no bias): first validate the variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear -
-ref64| + eps * max|ref64|, output poisoned with NaN before the launch), then time it as CUDA events around replays of
-one CUDA graph of back-to-back calls, each on the next of several weight copies (together ~7x the 60 MB L2). cuBLAS
-(F.linear) is timed the same way in the same run. Variants launch the compiled kernel directly with their own split-K
-workspace, so the host path (linear_out) is not involved.
+one-CTA-per-tile build does; "no-trigger": none does, they trigger at exit; "x-evict-last": x loads marked
+evict-last in L2; "full-ring": the whole SM's shared memory for the ring; "full-ring-wgmma2": that and a second
+stage's wgmma in flight (at every M; shipped only for M=64 runs of 100 blocks or more,
+KernelOptions.deep_ring_blocks); "no-deep-ring": none of them; "two-wg": two consumer warpgroups of 64 weight rows
+each; "two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier runs also swept the weight
+loaded without the L2 evict-first hint, the release form of the cluster barrier's entry arrive, the descriptor
+prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters that do not all run
+at once, the cluster split's bounds, a second wgmma in flight on the half-SM ring, PDL, the descriptor fence scope,
+shares of the shared memory and two CTAs per SM: see docs/linear.md), each shape N x K in SHAPES and M in MS (or
+--ms) (bf16, no bias): first validate the variant's output against the float64 reference (|ours - ref64| <= 2
+|F.linear - ref64| + eps * max|ref64|, output poisoned with NaN before the launch), then time it as CUDA events
+around replays of one CUDA graph of back-to-back calls, each on the next of several weight copies (together ~7x the
+60 MB L2). cuBLAS (F.linear) is timed the same way in the same run. Variants launch the compiled kernel directly
+with their own split-K workspace, so the host path (linear_out) is not involved.
 
-"In situ" (the IN_SITU variants and cuBLAS): the same graph with a small elementwise kernel on x before every
-call (x *= 1), as in a model where a norm or an activation feeds each linear layer; the time per call is the
-pair's minus the small kernel's alone. Back-to-back calls let a PDL launch overlap the previous call; in situ
-there is no previous call of ours to overlap, so this is what a decode step sees.
+"In situ" (the IN_SITU variants, or those named by --in-situ, and cuBLAS): the same graph with a small elementwise
+kernel on x before every call (x *= 1), as in a model where a norm or an activation feeds each linear layer; the
+time per call is the pair's minus the small kernel's alone. Back-to-back calls let a PDL launch overlap the previous
+call; in situ there is no previous call of ours to overlap, so this is what a decode step sees.
 
 Prints one table: per variant and cell, GPU microseconds per call (median of the replays) and the speedup
 over cuBLAS, then the geomean speedup. A variant whose output is wrong is reported as FAIL in its cells
@@ -57,12 +61,23 @@ def variants(linear):
         # every cluster and one-CTA-per-tile build triggers the next launch after its last weight load, not at exit
         "load-trigger": shipped._replace(load_trigger=True),
         "no-trigger": shipped._replace(load_trigger_grid=0.0),  # every one triggers at exit
+        "x-evict-last": shipped._replace(x_eviction="last"),  # x loads marked evict-last in L2
+        "full-ring": shipped._replace(smem_share=1),  # the whole SM's shared memory for the ring
+        # ... and a second stage's wgmma in flight, which the half-SM ring could not afford (run 5)
+        "full-ring-wgmma2": shipped._replace(smem_share=1, wgmma_in_flight=2),
+        "two-wg": shipped._replace(consumer_warpgroups=2),  # two consumer warpgroups, 64 weight rows each
+        "two-wg-full-ring-wgmma2": shipped._replace(consumer_warpgroups=2, smem_share=1, wgmma_in_flight=2),
+        "no-deep-ring": shipped._replace(deep_ring_blocks=0),  # M=64 long runs keep the half-SM ring, one wgmma
     }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--csv", help="also write one row per (variant, shape, M) here")
+    parser.add_argument("--variant", action="append", help="only this variant (repeatable; default all)")
+    parser.add_argument("--in-situ", action="append", help=f"time this variant in situ too (repeatable; default "
+                                                           f"{list(IN_SITU)})")
+    parser.add_argument("--ms", type=int, nargs="+", default=list(MS), help=f"M values (default {list(MS)})")
     args = parser.parse_args()
 
     import cutlass
@@ -78,6 +93,12 @@ def main():
     cache = torch_tma.default_cache(device)
     stream = torch.cuda.Stream()
     table = variants(linear)
+    unknown = set(args.variant or ()) - set(table)
+    if unknown:
+        parser.error(f"unknown variant(s) {sorted(unknown)}; known: {sorted(table)}")
+    table = {name: o for name, o in table.items() if not args.variant or name in args.variant}
+    in_situ_names = tuple(args.in_situ or IN_SITU)
+    ms = tuple(args.ms)
     # One workspace per variant: partials for 2 tiles per CTA at the largest grid, counters zero.
     workspaces = {
         name: (torch.empty(sm_count * o.ctas_per_sm * 2 * linear.M_PADS[-1] * linear.TILE_N, dtype=torch.float32,
@@ -86,7 +107,7 @@ def main():
         for name, o in table.items()
     }
     for o in table.values():  # compile up front so compile time shows apart from measurement
-        for (n, k), m in ((shape, m) for shape in SHAPES for m in MS):
+        for (n, k), m in ((shape, m) for shape in SHAPES for m in ms):
             linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), False, "",
                                   linear.options_for(o, n, k, m, sm_count, capacity))
     print(f"compiled {linear.compile_kernel.cache_info().currsize} kernels [{time.perf_counter() - started:.0f} s]",
@@ -101,13 +122,13 @@ def main():
         box, swizzle = linear.weight_box(n, k, DTYPE), linear.weight_swizzle(DTYPE)
         maps = [cache.get(w, box, swizzle=swizzle, l2_promotion=linear.DEFAULT_L2_PROMOTION).ptr for w in weights]
         calls_per_graph = copies * max(1, CALLS_PER_GRAPH // copies)
-        for m in MS:
+        for m in ms:
             x = torch.randn(m, k, dtype=DTYPE, device=device)
             out = torch.empty(m, n, dtype=DTYPE, device=device)
 
             def timed(key, calls):
                 results[key] = graph_time_us(calls, stream)[1]
-                if key[0] in IN_SITU or key[0] == "cublas":
+                if key[0] in in_situ_names or key[0] == "cublas":
                     in_situ[key] = in_situ_time_us(calls, x, stream)[1]
 
             for name, o in table.items():
@@ -138,17 +159,17 @@ def main():
         del weights
         torch.cuda.empty_cache()
 
-    cells = [(n, k, m) for n, k in SHAPES for m in MS]
+    cells = [(n, k, m) for n, k in SHAPES for m in ms]
     for title, res, names in (("back-to-back calls", results, list(table)),
-                              ("in situ (a small kernel before each call)", in_situ, [v for v in table if v in IN_SITU])):
+                              ("in situ (a small kernel before each call)", in_situ, [v for v in table if v in in_situ_names])):
         print(f"\n{title}: GPU us per call (median over graph replays) and speedup vs cuBLAS; "
               f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-        print(f"{'variant':18s} {'N x K':>11s}" + "".join(f"{f'M={m}':>16s}" for m in MS))
+        print(f"{'variant':18s} {'N x K':>11s}" + "".join(f"{f'M={m}':>16s}" for m in ms))
         for n, k in SHAPES:
-            print(f"{'cublas':18s} {f'{n}x{k}':>11s}" + "".join(f"{res['cublas', n, k, m]:>16.2f}" for m in MS))
+            print(f"{'cublas':18s} {f'{n}x{k}':>11s}" + "".join(f"{res['cublas', n, k, m]:>16.2f}" for m in ms))
             for name in names:
                 row = ""
-                for m in MS:
+                for m in ms:
                     us = res[name, n, k, m]
                     row += f"{'FAIL':>16s}" if us is None else f"{us:>9.2f} {res['cublas', n, k, m] / us:>5.2f}x"
                 print(f"{name:18s} {f'{n}x{k}':>11s}{row}")

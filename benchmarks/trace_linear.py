@@ -55,7 +55,9 @@ def variants(linear):
             "release-arrive": shipped._replace(relaxed_cluster_arrive=False),
             "full-ring": shipped._replace(smem_share=1), "evict-normal": shipped._replace(weight_eviction="normal"),
             "load-trigger": shipped._replace(load_trigger=True),
-            "no-trigger": shipped._replace(load_trigger_grid=0.0)}
+            "no-trigger": shipped._replace(load_trigger_grid=0.0), "x-evict-last": shipped._replace(x_eviction="last"),
+            "full-ring-wgmma2": shipped._replace(smem_share=1, wgmma_in_flight=2),
+            "two-wg": shipped._replace(consumer_warpgroups=2)}
 
 
 def summarize(trace, fields, calls):

@@ -63,10 +63,12 @@ OPTION_VARIANTS = [
     linear.KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, wgmma_in_flight=2),
     linear.DEFAULT_OPTIONS._replace(cluster_fit=False),
     linear.DEFAULT_OPTIONS._replace(early_trigger=False, load_trigger=True),
+    linear.DEFAULT_OPTIONS._replace(consumer_warpgroups=2),
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
               f"{'-prefetch' * bool(o.descriptor_prefetch)}{'-loadtrigger' * o.load_trigger}"
+              f"{'-2wg' * (o.consumer_warpgroups == 2)}"
               for o in OPTION_VARIANTS]
 
 
@@ -236,6 +238,10 @@ def test_kernel_options_check():
         linear.KernelOptions(load_trigger=True).check()
     with pytest.raises(ValueError, match="weight_eviction"):
         linear.KernelOptions(weight_eviction="last").check()
+    with pytest.raises(ValueError, match="x_eviction"):
+        linear.KernelOptions(x_eviction="first").check()
+    with pytest.raises(ValueError, match="consumer_warpgroups"):
+        linear.KernelOptions(consumer_warpgroups=3).check()
     assert linear.KernelOptions(ctas_per_sm=2).smem_slots == 2
     assert linear.KernelOptions(smem_share=3).smem_slots == 3
     with pytest.raises(ValueError, match="scope"):
@@ -264,6 +270,25 @@ def test_weight_loads_carry_the_eviction_policy(eviction, tmp_path):
         assert not x_policies & weight_policies, loads
     else:
         assert not policies
+
+
+@pytest.mark.parametrize("x_eviction", ["last", "normal"])
+def test_x_loads_carry_their_eviction_policy(x_eviction, tmp_path):
+    """x_eviction="last": one createpolicy evict_last, carried by every x load (both loops: x after the PDL wait for
+    the ring's first stages, then with the weight) and by no weight load; "normal": no evict_last policy (the DSL
+    gives x loads a cache hint of 0 of its own)."""
+    options = linear.DEFAULT_OPTIONS._replace(cluster_k=3, x_eviction=x_eviction)
+    ptx, _ = _ptx_and_cubin(torch.bfloat16, 64, False, tmp_path, options)
+    (last,) = re.findall(r"createpolicy\.fractional\.L2::evict_last\.b64 (%rd\d+), 1\.0;", ptx) or [None]
+    (fenced,) = re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.\w+ \[(%rd\d+)\], 128;", ptx)
+    hinted = TMA_LOAD_POLICY.findall(ptx)
+    x_hinted = [policy for desc, policy in hinted if desc != fenced]
+    assert len(TMA_LOAD_DESCRIPTOR.findall(ptx)) == 4
+    if x_eviction == "last":
+        assert last is not None and x_hinted == [last, last], (last, hinted)
+        assert all(policy != last for desc, policy in hinted if desc == fenced), hinted
+    else:
+        assert last is None and all(re.search(rf"mov\.b64\s+{re.escape(p)}, 0;", ptx) for p in x_hinted), hinted
 
 
 @pytest.mark.parametrize("m_pad,cluster_k", [(8, 3), (64, 3)], ids=["m8-cluster3", "m64-cluster3-in-ring"])
@@ -311,6 +336,35 @@ def test_cluster_split_compiles(m_pad, cluster_k, tmp_path):
         received = 0
     per_cta = stages * (linear.TILE_N + m_pad) * linear.TILE_K * 2 + linear.SMEM_RESERVED + received
     assert stages >= 2 and options.smem_slots * (per_cta + linear.SMEM_PER_CTA_SYSTEM) <= linear.SMEM_PER_SM
+
+
+@pytest.mark.parametrize("m_pad,cluster_k", [(8, 0), (64, 1), (16, 4), (64, 3)],
+                         ids=["m8-streamk", "m64-tile", "m16-cluster4", "m64-cluster3-in-ring"])
+def test_two_consumer_warpgroups_split_the_tile(m_pad, cluster_k, tmp_path):
+    """consumer_warpgroups=2: 288 threads; each warpgroup issues one m64 wgmma per k step (4 per stage, against 8 for
+    one warpgroup) on its 64 weight rows; the stage barrier counts 8 consumer warps; the fix-up barrier 256 threads;
+    a cluster sender's st.async carries half as many 16-byte pieces per thread (m_pad / 8) and a thread stores half as
+    many outputs; the TMA loads come from warp 8."""
+    counts = {}
+    for groups in (1, 2):
+        dump = tmp_path / f"wg{groups}"
+        dump.mkdir()
+        options = linear.DEFAULT_OPTIONS._replace(cluster_k=cluster_k, consumer_warpgroups=groups)
+        ptx, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, dump, options)
+        assert re.search(rf"\.reqntid {options.threads}, 1, 1", ptx), groups
+        counts[groups] = {
+            "wgmma": len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16", ptx)),
+            "sends": len(re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32", ptx)),
+            "stores": len(re.findall(r"st\.global\.b16", ptx)),
+            "bar": set(re.findall(r"bar\.sync \t1, (\d+);", ptx)),
+        }
+        # the TMA loads are issued under a warp index test against producer_warp
+        assert re.search(rf"setp\.\w+\.[bsu]32\s+%p\d+, %r\d+, {options.producer_warp};", ptx), groups
+    assert counts[1]["wgmma"] == 2 * counts[2]["wgmma"] == 8, counts
+    assert counts[2]["sends"] * 2 == counts[1]["sends"] == (m_pad // 4 if cluster_k > 1 else 0), counts
+    assert counts[2]["stores"] * 2 == counts[1]["stores"], counts
+    assert counts[1]["bar"] <= {"128"} and counts[2]["bar"] <= {"256"}, counts
+    assert linear.DEFAULT_OPTIONS._replace(consumer_warpgroups=2).threads == 288
 
 
 @pytest.mark.parametrize("cluster_k", [0, 3])
@@ -385,6 +439,39 @@ def test_load_trigger_policy():
     assert stream_k.cluster_k == 0 and stream_k.early_trigger and not stream_k.load_trigger
     with pytest.raises(ValueError, match="load_trigger_grid"):
         shipped._replace(load_trigger_grid=1.5).check()
+
+
+def test_deep_ring_policy(tmp_path):
+    """options_for gives M=64 launches whose CTAs each stream at least deep_ring_blocks (shipped: 100) weight blocks the
+    whole SM's shared memory and two wgmma in flight, where that keeps cluster_k and the grid: on an H200 10240x8192
+    (one CTA per row tile, 128 blocks), 8192x28672 (2 CTAs per tile, 224) and 57344x8192 (stream-K, 434); not
+    4096x14336 (74 blocks) or 28672x4096 (64, and the full ring would make it stream-K); never below M=33."""
+    h200 = (132, (132, 66, 39, 30, 22, 17, 15, 15))
+    shipped = linear.DEFAULT_OPTIONS
+    assert shipped.deep_ring_blocks == 100 and shipped.smem_share == 2 and shipped.wgmma_in_flight == 1
+    deep = set()
+    for n, k in BENCH_SHAPES + [(1024, 4096), (14336, 4096)]:
+        for m in (1, 16, 32, 33, 64):
+            o = linear.options_for(shipped, n, k, m, *h200)
+            plain = linear.options_for(shipped._replace(deep_ring_blocks=0), n, k, m, *h200)
+            if (o.smem_share, o.wgmma_in_flight) == (1, 2):
+                deep.add((n, k, m))
+                assert (o.cluster_k, linear.grid_size(n, k, 132, o)) == (plain.cluster_k,
+                                                                          linear.grid_size(n, k, 132, plain))
+                assert linear._blocks_per_cta(n, k, 132, plain) >= 100
+            else:
+                assert o == plain._replace(deep_ring_blocks=shipped.deep_ring_blocks), (n, k, m)
+    assert deep == {(n, k, m) for n, k in ((10240, 8192), (8192, 28672), (57344, 8192)) for m in (33, 64)}, deep
+    assert linear._blocks_per_cta(28672, 4096, 132, linear.options_for(shipped, 28672, 4096, 64, *h200)) == 64
+    assert linear.options_for(shipped._replace(deep_ring_blocks=64), 28672, 4096, 64, *h200).smem_share == 2
+    assert linear.options_for(shipped._replace(deep_ring_blocks=64), 14336, 4096, 64, *h200).smem_share == 1
+    with pytest.raises(ValueError, match="deep_ring_blocks"):
+        shipped._replace(deep_ring_blocks=-1).check()
+    # the deep builds compile, and their ring fills the SM
+    o = linear.options_for(shipped, 8192, 28672, 64, *h200)
+    ptx, _ = _ptx_and_cubin(torch.bfloat16, 64, False, tmp_path, o)
+    assert sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d)", ptx))) == ["0", "1"]
+    assert linear.pipeline_stages(64, o.smem_slots, o.cluster_k) == 9
 
 
 def test_cluster_k_for_policy():
@@ -608,6 +695,24 @@ def test_cluster_split_numerics(cluster_k):
             if cluster_k > -(-k // linear.TILE_K) or not linear._fits_cluster(linear.m_pad(m), cluster_k, 2):
                 continue
             _check_build(options, m, n, k, m % 2 == 1, f"cluster_k={cluster_k} {n}x{k} M={m}")
+
+
+@on_gpu
+@pytest.mark.parametrize("cluster_k", [0, 1, 2, 3, 8], ids=lambda c: f"k{c}")
+def test_two_consumer_warpgroups_numerics(cluster_k):
+    """consumer_warpgroups=2 on stream-K (cluster_k 0), one CTA per row tile and cluster splits (partials in a buffer
+    of their own and in CTA 0's ring), benchmark and ragged shapes, M around every m_pad, with and without bias:
+    each output element matches the float64 reference (NaN-poisoned before the launch), and the stream-K arrival
+    counters are zero after each launch."""
+    options = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_fit=False, cluster_k=cluster_k,
+                                              consumer_warpgroups=2)
+    for n, k in [(4096, 4096), (1024, 4096), (1000, 1000), (129, 520), (8, 256)]:
+        for m in (1, 2, 8, 9, 16, 31, 32, 33, 64):
+            if cluster_k > -(-k // linear.TILE_K) or (cluster_k > 1 and
+                                                      not linear._fits_cluster(linear.m_pad(m), cluster_k, 2)):
+                continue
+            _check_build(options, m, n, k, m % 2 == 1, f"2 warpgroups, cluster_k={cluster_k} {n}x{k} M={m}")
+            assert int(linear._workspace(0).arrivals.abs().sum()) == 0
 
 
 @on_gpu

@@ -73,8 +73,8 @@ from .cache import BoundTensorMap, TensorMap, TensorMapCache, default_cache  # n
 from .layout import DESCRIPTOR_BYTES, decode  # noqa: E402
 from .spec import ELEMENT_BYTES, DataType, Interleave, L2Promotion, OOBFill, Swizzle, TensorMapSpec  # noqa: E402
 
-__all__ = ["SUPPORTED_DSL", "tma_desc_ptr", "prefetch_tma_desc", "l2_evict_first_policy", "AtomPlan", "plan_atom",
-           "atom_tensor_map", "bind_atom_tensor_map", "atom_descriptor"]
+__all__ = ["SUPPORTED_DSL", "tma_desc_ptr", "prefetch_tma_desc", "l2_evict_first_policy", "l2_evict_last_policy",
+           "AtomPlan", "plan_atom", "atom_tensor_map", "bind_atom_tensor_map", "atom_descriptor"]
 
 # The TMA unit requires descriptor addresses aligned to 64 bytes; torch_tma's slots are at least that.
 DESCRIPTOR_ALIGN = 64
@@ -136,16 +136,30 @@ def prefetch_tma_desc(address, *, acquire: Optional[str] = None, loc=None, ip=No
     _tensormap_asm(Int64(address).ir_value(loc=loc, ip=ip), fence + "prefetch.tensormap [$0];", loc, ip)
 
 
+def _l2_fractional_policy(priority: str, loc, ip) -> Int64:
+    """``createpolicy.fractional.L2::<priority>.b64`` with fraction 1.0: an Int64 cache policy for all of a load's
+    lines."""
+    policy = llvm.inline_asm(ir.IntegerType.get_signless(64), [],
+                             f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;", "=l",
+                             has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                             loc=loc, ip=ip)
+    return Int64(policy)
+
+
 @dsl_user_op
 def l2_evict_first_policy(*, loc=None, ip=None) -> Int64:
     """An L2 cache policy (``createpolicy.fractional.L2::evict_first``, fraction 1.0) for the ``cache_policy=`` of a
     TMA load in ``@cute.kernel`` code: the lines it brings into L2 are the first ones L2 evicts. For data read once
     (a streamed weight), so that it does not push out what the kernels around it reread."""
-    policy = llvm.inline_asm(ir.IntegerType.get_signless(64), [],
-                             "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l",
-                             has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                             loc=loc, ip=ip)
-    return Int64(policy)
+    return _l2_fractional_policy("evict_first", loc, ip)
+
+
+@dsl_user_op
+def l2_evict_last_policy(*, loc=None, ip=None) -> Int64:
+    """An L2 cache policy (``createpolicy.fractional.L2::evict_last``, fraction 1.0) for the ``cache_policy=`` of a
+    TMA load in ``@cute.kernel`` code: the lines it brings into L2 are the last ones L2 evicts. For a small tensor that
+    every CTA rereads while something large streams past it."""
+    return _l2_fractional_policy("evict_last", loc, ip)
 
 
 def _tensormap_asm(address, asm: str, loc, ip) -> None:

@@ -5,7 +5,7 @@ at most 512 KiB of x and y. The kernel exists to read W at the H200's streaming 
 shared/reference/h200-baseline.md) through a device-resident descriptor from torch_tma's cache, with
 the L2 promotion the caller picked, where cuBLAS leaves 20-40 % on the table at 32-120 MB weights.
 
-How (160 threads per CTA):
+How (160 threads per CTA; KernelOptions.consumer_warpgroups=2, a measured alternative, has 288):
 - Swapped operands. The wgmma A operand is a 128-row tile of W (two m64 instructions), B is x padded
   to m_pad in {8, 16, 32, 64} rows, so D = W x^T is a 128 x m_pad tile of y^T in registers. TMA
   zero-fills x rows >= M and every row or column past N and K, so ragged edges cost no code.
@@ -27,7 +27,9 @@ How (160 threads per CTA):
 - Warp 4 only issues TMA loads (W through our descriptor via tma_desc_ptr=, with an L2 evict-first policy since
   it is read once; x through the atom's own descriptor) into a ring of as many stages as half an SM's shared
   memory holds (KernelOptions.smem_share=2, chosen by measurement: see DEFAULT_OPTIONS); warps 0-3 run wgmma,
-  release each stage, and do the fix-up and epilogue, so loads keep flowing while a tile is written out.
+  release each stage, and do the fix-up and epilogue, so loads keep flowing while a tile is written out. At M=64,
+  a launch whose CTAs each stream many blocks (KernelOptions.deep_ring_blocks) takes the whole SM's shared memory
+  for the ring and keeps a second stage's wgmma in flight: those runs are limited by the consumer.
 - Programmatic dependent launch: weight blocks are loaded before griddepcontrol.wait, x and every output
   after it, so the start overlaps the previous kernel when that one lets it. A launch lets the next one start at
   its CTAs' exit, or, where it takes at most half the SMs (KernelOptions.load_trigger_grid), once each CTA's TMA
@@ -54,7 +56,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..cache import long_lived_empty
-from ..cute import l2_evict_first_policy, prefetch_tma_desc, tma_desc_ptr
+from ..cute import l2_evict_first_policy, l2_evict_last_policy, prefetch_tma_desc, tma_desc_ptr
 from ..spec import L2Promotion, Swizzle
 
 __all__ = [
@@ -70,9 +72,10 @@ __all__ = [
 TILE_N = 128  # weight rows per tile: the wgmma M side, two m64 instructions
 TILE_K = 64  # K elements per pipeline stage: 128 bytes of a 2-byte dtype, the 128B swizzle span
 M_PADS = (8, 16, 32, 64)  # wgmma N sizes compiled; M is padded up to the next one
-MMA_THREADS = 128  # warps 0-3: one warpgroup for wgmma, fix-up and epilogue
-PRODUCER_WARP = 4  # warp 4 issues every TMA load
-THREADS = MMA_THREADS + 32
+# Warps 0-3: one warpgroup for wgmma, fix-up and epilogue; warp 4 issues every TMA load (KernelOptions.mma_threads,
+# producer_warp and threads: twice the MMA warps with consumer_warpgroups=2).
+MMA_THREADS = 128
+THREADS = MMA_THREADS + 32  # the one-warpgroup block; the occupancy probe's (shared memory decides its count)
 # sm_90 allows 227 KiB of dynamic shared memory per block; 2 KiB stay for the mbarriers, the arrival
 # flag and the 1 KiB alignment of the two swizzled buffers.
 SMEM_BYTES = 227 * 1024
@@ -86,7 +89,7 @@ MAX_CLUSTER_K = 8  # most CTAs one row tile is split across in a cluster-split b
 # CTA 0 has consumed its last stage, so they cost no stages (see cluster_reduce).
 OWN_PARTIAL_BYTES = 24 * 1024
 MAX_ROW_TILES = 1 << 16  # arrival counters per workspace: N up to 8,388,608 rows
-FIXUP_BARRIER = 1  # named barrier of the 128 MMA threads (0 is __syncthreads)
+FIXUP_BARRIER = 1  # named barrier of the MMA threads (0 is __syncthreads)
 # Columns of the KernelOptions.trace buffer, one row per CTA. gt_*: %globaltimer (ns, one clock for the GPU);
 # clk_*: clock64 of the CTA's SM (cycles; comparable only within a row).
 TRACE_FIELDS = (
@@ -173,6 +176,15 @@ class KernelOptions(NamedTuple):
         at once with one CTA per SM (cluster_capacity: clusters live inside one GPC, so an H200 places 30 clusters of
         4 that way, not 33). False keeps sm_count // row tiles: 32 row tiles then get clusters of 4, and 8 SMs run
         two CTAs.
+    deep_ring_blocks: the deep-ring policy: options_for() gives a build of the largest m_pad (64) whose CTAs each stream
+        at least this many 64-column weight blocks the whole SM's shared memory for the ring (smem_share=1) and a
+        second stage's wgmma in flight (wgmma_in_flight=2), where that leaves the launch's decomposition (cluster_k
+        and grid) as it was; 0: never. At M=64 a long run is limited by the consumer, not by DRAM: with 4 stages and
+        each stage's wgmma waited for, 10240x8192's CTAs streamed for 42.5-43.9 us, with 9 stages and two in flight
+        34.3 us (benchmarks/trace_linear.py), while the deeper ring lands the first stage ~1.5 us later.
+    consumer_warpgroups: warpgroups that run wgmma, 1 or 2. With 2, each takes 64 of a tile's 128 weight rows (one
+        m64 wgmma per k step instead of two), both read the same x stage, and a stage is free once both have read
+        it; the fix-up and y stores of a tile are split between them the same way. 2 * 128 + 32 threads per CTA.
     wgmma_in_flight: stages whose wgmma may be running at once. 1: wait for a stage's wgmma, release the stage,
         then wait for the next one. 2: issue the next stage's wgmma before waiting for the previous one (released
         one stage late), so the tensor cores never wait for the warpgroup's round trip.
@@ -192,8 +204,10 @@ class KernelOptions(NamedTuple):
         start: the first weight load went out ~0.25 us later with it (benchmarks/trace_linear.py).
     weight_eviction: the L2 eviction priority the weight loads carry (their TMA cache hint, a createpolicy value):
         "normal" (no hint beyond the default) or "first": the streamed weight, read once per call, is the first
-        thing L2 evicts, so the small tensors a model step rereads (activations, norms, the KV cache) stay. x keeps
-        the default: every CTA rereads it.
+        thing L2 evicts, so the small tensors a model step rereads (activations, norms, the KV cache) stay.
+    x_eviction: the L2 eviction priority the x loads carry: "normal" (no hint) or "last": x, which every row tile's
+        CTAs reread from L2 (at M=64 half as many bytes as the weight), is the last thing L2 evicts while the weight
+        streams past it.
     late_first_cta_ns: a test build: in a cluster-split build, CTA 0 of each cluster spins this many nanoseconds
         (on %globaltimer) after its last wgmma, before it says its ring is drained or waits for the partials, so
         the other CTAs reach their waits before CTA 0 arrives (tests/test_linear_kernel.py). 0 in shipped builds.
@@ -216,12 +230,30 @@ class KernelOptions(NamedTuple):
     cluster_max_m_pad: int = M_PADS[-1]
     cluster_fit: bool = False
     wgmma_in_flight: int = 1
+    consumer_warpgroups: int = 1
+    deep_ring_blocks: int = 0
     weight_descriptor: str = "cache"
     descriptor_prefetch: str = ""
     relaxed_cluster_arrive: bool = False
     weight_eviction: str = "normal"
+    x_eviction: str = "normal"
     late_first_cta_ns: int = 0
     trace: bool = False
+
+    @property
+    def mma_threads(self) -> int:
+        """Threads of the consumer warpgroups (wgmma, fix-up, epilogue): warps 0 .. producer_warp - 1."""
+        return MMA_THREADS * self.consumer_warpgroups
+
+    @property
+    def producer_warp(self) -> int:
+        """The warp that issues every TMA load: the one after the consumer warpgroups."""
+        return self.mma_threads // 32
+
+    @property
+    def threads(self) -> int:
+        """Threads per CTA."""
+        return self.mma_threads + 32
 
     @property
     def smem_slots(self) -> int:
@@ -257,6 +289,12 @@ class KernelOptions(NamedTuple):
                              f"{self.descriptor_prefetch!r}")
         if self.weight_eviction not in ("normal", "first"):
             raise ValueError(f"KernelOptions.weight_eviction must be 'normal' or 'first', got {self.weight_eviction!r}")
+        if self.x_eviction not in ("normal", "last"):
+            raise ValueError(f"KernelOptions.x_eviction must be 'normal' or 'last', got {self.x_eviction!r}")
+        if self.deep_ring_blocks < 0:
+            raise ValueError(f"KernelOptions.deep_ring_blocks must be >= 0, got {self.deep_ring_blocks!r}")
+        if self.consumer_warpgroups not in (1, 2):
+            raise ValueError(f"KernelOptions.consumer_warpgroups must be 1 or 2, got {self.consumer_warpgroups!r}")
         if self.wgmma_in_flight not in (1, 2):
             raise ValueError(f"KernelOptions.wgmma_in_flight must be 1 or 2, got {self.wgmma_in_flight!r}")
         if self.late_first_cta_ns < 0 or (self.late_first_cta_ns and self.cluster_k < 2):
@@ -318,9 +356,18 @@ class KernelOptions(NamedTuple):
 # overlap, the second ran two CTAs on some SMs (4096x4096 M=1: 80 SMs, 16 with two; 10.44 -> 11.21 us) and 4096x14336
 # lost at every M. So only launches of at most half the SMs trigger early (load_trigger_grid=0.5): in a decode step, the
 # v projection after the k one (docs/linear.md).
+# Sweep runs 14 and 15 (docs/results/sweep-linear-h200-run{14,15}.*): at M=64 the whole SM's shared memory for the ring
+# with a second stage's wgmma in flight ("full-ring-wgmma2") was faster in both runs, back to back, on the launches
+# whose CTAs stream 128 or more weight blocks (10240x8192 +7.2 / +4.5 %, 8192x28672 +3.2 / +1.4 %, 57344x8192 +5.5 /
+# +1.0 %; in situ, run 14: +6.9, +4.2, +2.5 %) and slower on 4096x4096, 6144x4096 and 4096x14336 (21-74 blocks per CTA,
+# -0.8 to -3.6 %); 14336x4096 (64 blocks) gained 2.1-2.7 %. Trace run 8: 10240x8192's CTAs streamed 34.3 us against
+# 43.9 us, the first stage landing 1.5 us later. So deep_ring_blocks=100 (only M=64: at M=32 10240x8192 lost 3-5 %);
+# run 16 checked the shipped policy against none: +7.3, +4.9 and +1.8 % on those three, the other cells the same build.
+# Marking x evict-last in L2 (x_eviction) and two consumer warpgroups (consumer_warpgroups=2) did not help (geomean
+# 1.067x against 1.067x in run 14; 1.058x against 1.062x in run 15).
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                                 cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
-                                weight_eviction="first", load_trigger_grid=0.5)
+                                weight_eviction="first", load_trigger_grid=0.5, deep_ring_blocks=100)
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -576,14 +623,28 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
                 capacity: tuple[int, ...] = ()) -> "KernelOptions":
     """options resolved for one problem shape: cluster_k set from the cluster_split policy (cluster_k_for); a
     cluster-split build never triggers its dependents at its start, and triggers them after its last weight load
-    (load_trigger) where its grid is at most options.load_trigger_grid of the SMs. capacity: the GPU's
-    cluster_capacity, needed when options.cluster_fit.
+    (load_trigger) where its grid is at most options.load_trigger_grid of the SMs; and at M_PADS[-1], the deep ring
+    with two wgmma in flight where each CTA streams at least options.deep_ring_blocks blocks and the decomposition
+    stays the same. capacity: the GPU's cluster_capacity, needed when options.cluster_fit.
 
     Why not early: with the trigger at CTA start, the next launch's CTAs take the second slot of SMs this launch
     runs on, and cluster placement then piles two CTAs of one launch on many SMs (benchmarks/trace_linear.py on
     the H200: 4096x14336 back to back ran its 128 CTAs on 91 SMs, 38.7 us against 30.4 us with the trigger at
     exit; docs/linear.md). Stream-K launches keep it: they need the overlap to hide their fix-up.
     """
+    resolved = _split_for(options, N, K, M, sm_count, capacity)
+    if options.deep_ring_blocks and m_pad(M) == M_PADS[-1] and (
+            _blocks_per_cta(N, K, sm_count, resolved) >= options.deep_ring_blocks):
+        deep = _split_for(options._replace(smem_share=1, wgmma_in_flight=2), N, K, M, sm_count, capacity)
+        if deep.cluster_k == resolved.cluster_k and grid_size(N, K, sm_count, deep) == grid_size(N, K, sm_count,
+                                                                                                 resolved):
+            return deep
+    return resolved
+
+
+def _split_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
+               capacity: tuple[int, ...]) -> "KernelOptions":
+    """options_for without the deep-ring policy: cluster_k and the trigger."""
     if not options.cluster_split:
         return options._replace(cluster_k=0)
     if options.cluster_fit and len(capacity) != MAX_CLUSTER_K:
@@ -597,6 +658,14 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
         small = grid_size(N, K, sm_count, resolved) <= options.load_trigger_grid * sm_count
         return resolved._replace(load_trigger=options.load_trigger or small)
     return options._replace(cluster_k=0)
+
+
+def _blocks_per_cta(N: int, K: int, sm_count: int, options: "KernelOptions") -> int:
+    """64-column weight blocks the shortest-running CTA of a resolved launch streams: a cluster rank's share of a row
+    tile's K, or a stream-K CTA's share of all blocks."""
+    if options.cluster_k:
+        return -(-K // TILE_K) // options.cluster_k
+    return _iteration_count(N, K) // grid_size(N, K, sm_count, options)
 
 
 def grid_size(N: int, K: int, sm_count: int, options: "KernelOptions") -> int:
@@ -639,7 +708,9 @@ class WeightStreamingLinear:
         self.stages = stages
         self.options = options
         self.tile_mnk = (TILE_N, m_pad_, TILE_K)
-        self.partial_elems = TILE_N * m_pad_  # fp32 values of one partial tile (m_pad per thread)
+        self.partial_elems = TILE_N * m_pad_  # fp32 values of one partial tile
+        self.mma_threads = options.mma_threads
+        self.values = self.partial_elems // self.mma_threads  # accumulator values per MMA thread
         # cluster split: the first CTA of a cluster receives the other cluster_k - 1 partials (fp32), in a buffer of
         # their own or in its drained weight ring (partials_in_ring); other builds keep a 16-byte stub (a struct
         # member cannot be empty)
@@ -663,8 +734,10 @@ class WeightStreamingLinear:
         stream: cuda.CUstream,
         trace: Optional[cute.Tensor] = None,
     ):
+        # one warpgroup per 64 weight rows of a consumer_warpgroups=2 build; one for all 128 (two m64 steps) otherwise
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (64, self.m_pad)
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            (self.options.consumer_warpgroups, 1, 1), (64, self.m_pad)
         )
         w_smem = weight_smem_layout(self.dtype, self.stages)
         # ROW_MAJOR: x's K is contiguous, a K-major wgmma B operand
@@ -697,10 +770,10 @@ class WeightStreamingLinear:
         )
         if cutlass.const_expr(cluster_k):
             row_tiles = cute.ceil_div(weight.shape[0], TILE_N)
-            kernel.launch(grid=[cluster_k, row_tiles, 1], block=[THREADS, 1, 1], cluster=[cluster_k, 1, 1],
+            kernel.launch(grid=[cluster_k, row_tiles, 1], block=[self.options.threads, 1, 1], cluster=[cluster_k, 1, 1],
                           stream=stream, use_pdl=self.options.pdl)
         else:
-            kernel.launch(grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.options.pdl)
+            kernel.launch(grid=[num_ctas, 1, 1], block=[self.options.threads, 1, 1], stream=stream, use_pdl=self.options.pdl)
 
     @cute.kernel
     def kernel(
@@ -736,7 +809,7 @@ class WeightStreamingLinear:
                 trace[cta, 10] = Int64(cute.arch.smid())
 
         if cutlass.const_expr(self.options.descriptor_prefetch != "" and self.options.weight_descriptor == "cache"):
-            if warp_idx == PRODUCER_WARP:
+            if warp_idx == self.options.producer_warp:
                 prefetch_tma_desc(weight_map, acquire=self.options.fence_scope
                                   if self.options.descriptor_prefetch == "entry-acquired" else None)
         if cutlass.const_expr(self.options.pdl and self.options.early_trigger):
@@ -750,7 +823,7 @@ class WeightStreamingLinear:
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             # consumer_release arrives once per MMA warp (lane 0)
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_THREADS // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
@@ -790,12 +863,12 @@ class WeightStreamingLinear:
             else:
                 cute.arch.cluster_arrive()
 
-        if warp_idx == PRODUCER_WARP:
+        if warp_idx == self.options.producer_warp:
             self.load_run(
                 w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
                 trace, cta, tidx,
             )
-        if warp_idx < PRODUCER_WARP:
+        if warp_idx < self.options.producer_warp:
             if cutlass.const_expr(self.options.pdl):
                 cute.arch.griddepcontrol_wait()  # out, partials and arrivals may still be in the previous grid's use
             self.mma_run(
@@ -819,6 +892,7 @@ class WeightStreamingLinear:
         weight_map_ptr = (tma_desc_ptr(weight_map, scope=self.options.fence_scope)
                           if cutlass.const_expr(self.options.weight_descriptor == "cache") else None)
         w_policy = l2_evict_first_policy() if cutlass.const_expr(self.options.weight_eviction == "first") else None
+        x_policy = l2_evict_last_policy() if cutlass.const_expr(self.options.x_eviction == "last") else None
         w_dst = cute.group_modes(w_tiles, 0, 2)
         x_dst = cute.group_modes(x_tiles, 0, 2)
         # Block coordinates in elements, carried across iterations rather than derived from `it`:
@@ -843,7 +917,7 @@ class WeightStreamingLinear:
                 )
                 state.advance()
                 if cutlass.const_expr(self.options.trace):
-                    if tidx == PRODUCER_WARP * 32 and state.count == 1:
+                    if tidx == self.options.producer_warp * 32 and state.count == 1:
                         trace[cta, 3] = cute.arch.clock64()
                 # Branch-free step to the next block: with an `if` here, ptxas predicates the R2UR of row.
                 wrapped = (col + TILE_K) // (k_blocks * TILE_K)
@@ -851,13 +925,13 @@ class WeightStreamingLinear:
                 row = row + wrapped * TILE_N
             cute.arch.griddepcontrol_wait()  # x is the previous kernel's output
             if cutlass.const_expr(self.options.trace):
-                if tidx == PRODUCER_WARP * 32:
+                if tidx == self.options.producer_warp * 32:
                     trace[cta, 4] = cute.arch.clock64()
             x_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             for _ in cutlass.range(run_begin, first, unroll=1):
                 x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, x_col, self.m_pad)
                 cute.copy(x_atom, x_src, x_smem_dst[(None, x_state.index)],
-                          tma_bar_ptr=loads.producer_get_barrier(x_state))
+                          tma_bar_ptr=loads.producer_get_barrier(x_state), cache_policy=x_policy)
                 x_state.advance()
                 x_col = x_col + TILE_K
                 if x_col == k_blocks * TILE_K:
@@ -865,7 +939,7 @@ class WeightStreamingLinear:
         elif cutlass.const_expr(self.options.pdl):
             cute.arch.griddepcontrol_wait()  # x is the previous kernel's output
         if cutlass.const_expr(self.options.trace and not self.options.weight_before_wait):
-            if tidx == PRODUCER_WARP * 32:
+            if tidx == self.options.producer_warp * 32:
                 trace[cta, 4] = cute.arch.clock64()
         for _ in cutlass.range(first, run_end, unroll=1):
             w_smem_dst, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
@@ -874,10 +948,10 @@ class WeightStreamingLinear:
             barrier = loads.producer_get_barrier(state)
             cute.copy(w_atom, w_src, w_smem_dst[(None, state.index)], tma_bar_ptr=barrier, tma_desc_ptr=weight_map_ptr,
                       cache_policy=w_policy)
-            cute.copy(x_atom, x_src, x_smem_dst[(None, state.index)], tma_bar_ptr=barrier)
+            cute.copy(x_atom, x_src, x_smem_dst[(None, state.index)], tma_bar_ptr=barrier, cache_policy=x_policy)
             state.advance()
             if cutlass.const_expr(self.options.trace and not self.options.weight_before_wait):
-                if tidx == PRODUCER_WARP * 32 and state.count == 1:
+                if tidx == self.options.producer_warp * 32 and state.count == 1:
                     trace[cta, 3] = cute.arch.clock64()
             col = col + TILE_K
             if col == k_blocks * TILE_K:
@@ -977,14 +1051,14 @@ class WeightStreamingLinear:
             slot = Int32(0)
         base = (cta * 2 + slot) * slot_elems + tidx
         for v in cutlass.range(cute.size(acc), unroll_full=True):
-            partials[base + v * MMA_THREADS] = acc[v]
+            partials[base + v * self.mma_threads] = acc[v]
         # Release this thread's partial at GPU scope, then count the tile's blocks once for the CTA.
         cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier(barrier_id=FIXUP_BARRIER, number_of_threads=MMA_THREADS)
+        cute.arch.barrier(barrier_id=FIXUP_BARRIER, number_of_threads=self.mma_threads)
         if tidx == 0:
             before = cute.arch.atomic_add(arrivals.iterator + tile, Int32(blocks), sem="acq_rel", scope="gpu")
             fixup_count[0] = before + blocks
-        cute.arch.barrier(barrier_id=FIXUP_BARRIER, number_of_threads=MMA_THREADS)
+        cute.arch.barrier(barrier_id=FIXUP_BARRIER, number_of_threads=self.mma_threads)
         if fixup_count[0] == k_blocks:
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
@@ -1000,8 +1074,8 @@ class WeightStreamingLinear:
             last = last - 1 + Int32((tile_begin + k_blocks) * num_ctas % total != 0)
             # Sum in CTA order, a chunk of contributors at a time: all of a chunk's loads are issued before
             # the first add, so the chunk costs one L2 round trip (a chunk holds 64 values per thread).
-            chunk = max(1, 64 // self.m_pad)
-            loaded = cute.make_rmem_tensor((chunk * self.m_pad,), Float32)
+            chunk = max(1, 64 // self.values)
+            loaded = cute.make_rmem_tensor((chunk * self.values,), Float32)
             tile_sum.fill(0.0)
             for c0 in cutlass.range(first, last + 1, chunk, unroll=1):
                 for j in cutlass.range_constexpr(chunk):
@@ -1010,12 +1084,12 @@ class WeightStreamingLinear:
                     if c * total // num_ctas >= tile_begin:  # the tile is where c's run starts
                         c_slot = Int32(0)
                     c_base = (c * 2 + c_slot) * slot_elems + tidx
-                    for v in cutlass.range(self.m_pad, unroll_full=True):
-                        loaded[j * self.m_pad + v] = partials[c_base + v * MMA_THREADS]
+                    for v in cutlass.range(self.values, unroll_full=True):
+                        loaded[j * self.values + v] = partials[c_base + v * self.mma_threads]
                 for j in cutlass.range_constexpr(chunk):
                     if c0 + j <= last:
-                        for v in cutlass.range(self.m_pad, unroll_full=True):
-                            tile_sum[v] = tile_sum[v] + loaded[j * self.m_pad + v]
+                        for v in cutlass.range(self.values, unroll_full=True):
+                            tile_sum[v] = tile_sum[v] + loaded[j * self.values + v]
             self.store_tile(tile_sum, acc_coords, tile, bias, out)
             if tidx == 0:
                 arrivals[tile] = Int32(0)  # ready for the next launch or graph replay
@@ -1044,7 +1118,7 @@ class WeightStreamingLinear:
             if rank == 0:
                 # wgmma read the ring through the async proxy; the senders' stores must come after those reads
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=FIXUP_BARRIER, number_of_threads=MMA_THREADS)
+                cute.arch.barrier(barrier_id=FIXUP_BARRIER, number_of_threads=self.mma_threads)
                 cute.arch.cluster_wait()  # every sender has initialised its drained_barrier
                 if tidx < self.options.cluster_k - 1:
                     cute.arch.mbarrier_arrive(drained_barrier, tidx + 1, scope=_CLUSTER_SCOPE)
@@ -1054,7 +1128,7 @@ class WeightStreamingLinear:
                 cute.arch.mbarrier_wait(drained_barrier, 0)  # CTA 0 is done with its ring
             bits = cute.recast_tensor(acc, Int32)
             for q in cutlass.range_constexpr(cute.size(acc) // 4):
-                offset = cute.assume((rank - 1) * slot_elems + q * 4 * MMA_THREADS + tidx * 4, divby=4)
+                offset = cute.assume((rank - 1) * slot_elems + q * 4 * self.mma_threads + tidx * 4, divby=4)
                 cute.arch.store_async_dsmem(
                     cluster_partials.iterator + offset,
                     (bits[4 * q], bits[4 * q + 1], bits[4 * q + 2], bits[4 * q + 3]),
@@ -1071,7 +1145,7 @@ class WeightStreamingLinear:
             for r in cutlass.range_constexpr(self.options.cluster_k - 1):
                 for v in cutlass.range(cute.size(acc), unroll_full=True):
                     tile_sum[v] = tile_sum[v] + cluster_partials[
-                        r * slot_elems + (v // 4) * 4 * MMA_THREADS + tidx * 4 + v % 4]
+                        r * slot_elems + (v // 4) * 4 * self.mma_threads + tidx * 4 + v % 4]
             self.store_tile(tile_sum, acc_coords, tile, bias, out)
 
     @cute.jit
