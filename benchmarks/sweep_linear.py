@@ -12,12 +12,13 @@ each; "two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight
 loaded without the L2 evict-first hint, the release form of the cluster barrier's entry arrive, the descriptor
 prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters that do not all run
 at once, the cluster split's bounds, a second wgmma in flight on the half-SM ring, PDL, the descriptor fence scope,
-shares of the shared memory and two CTAs per SM: see docs/linear.md), each shape N x K in SHAPES and M in MS (or
---ms) (bf16, no bias): first validate the variant's output against the float64 reference (|ours - ref64| <= 2
-|F.linear - ref64| + eps * max|ref64|, output poisoned with NaN before the launch), then time it as CUDA events
-around replays of one CUDA graph of back-to-back calls, each on the next of several weight copies (together ~7x the
-60 MB L2). cuBLAS (F.linear) is timed the same way in the same run. Variants launch the compiled kernel directly
-with their own split-K workspace, so the host path (linear_out) is not involved.
+shares of the shared memory and two CTAs per SM: see docs/linear.md; every variant is built from the current
+DEFAULT_OPTIONS, so at M 33-64 on long runs "full-ring", "x-evict-last" and "two-wg" now get the deep ring too),
+each shape N x K in SHAPES and M in MS (or --ms) (bf16, no bias): first validate the variant's output against the
+float64 reference (|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|, output poisoned with NaN before the
+launch), then time it as CUDA events around replays of one CUDA graph of back-to-back calls, each on the next of
+several weight copies (together ~7x the 60 MB L2). cuBLAS (F.linear) is timed the same way in the same run. Variants
+launch the compiled kernel directly with their own split-K workspace, so the host path (linear_out) is not involved.
 
 "In situ" (the IN_SITU variants, or those named by --in-situ, and cuBLAS): the same graph with a small elementwise
 kernel on x before every call (x *= 1), as in a model where a norm or an activation feeds each linear layer; the
@@ -161,7 +162,8 @@ def main():
 
     cells = [(n, k, m) for n, k in SHAPES for m in ms]
     for title, res, names in (("back-to-back calls", results, list(table)),
-                              ("in situ (a small kernel before each call)", in_situ, [v for v in table if v in in_situ_names])):
+                              ("in situ (a small kernel before each call)", in_situ,
+                               [v for v in table if v in in_situ_names])):
         print(f"\n{title}: GPU us per call (median over graph replays) and speedup vs cuBLAS; "
               f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
         print(f"{'variant':18s} {'N x K':>11s}" + "".join(f"{f'M={m}':>16s}" for m in ms))

@@ -180,8 +180,9 @@ class KernelOptions(NamedTuple):
         at least this many 64-column weight blocks the whole SM's shared memory for the ring (smem_share=1) and a
         second stage's wgmma in flight (wgmma_in_flight=2), where that leaves the launch's decomposition (cluster_k
         and grid) as it was; 0: never. At M=64 a long run is limited by the consumer, not by DRAM: with 4 stages and
-        each stage's wgmma waited for, 10240x8192's CTAs streamed for 42.5-43.9 us, with 9 stages and two in flight
-        34.3 us (benchmarks/trace_linear.py), while the deeper ring lands the first stage ~1.5 us later.
+        each stage's wgmma waited for, 10240x8192's CTAs streamed for 42.5-43.9 us back to back (benchmarks/
+        trace_linear.py, runs 8 and 9), with 9 stages and two in flight 34.3 us (run 8), while the deeper ring lands
+        the first stage ~1.5 us later.
     consumer_warpgroups: warpgroups that run wgmma, 1 or 2. With 2, each takes 64 of a tile's 128 weight rows (one
         m64 wgmma per k step instead of two), both read the same x stage, and a stage is free once both have read
         it; the fix-up and y stores of a tile are split between them the same way. 2 * 128 + 32 threads per CTA.
@@ -358,11 +359,12 @@ class KernelOptions(NamedTuple):
 # v projection after the k one (docs/linear.md).
 # Sweep runs 14 and 15 (docs/results/sweep-linear-h200-run{14,15}.*): at M=64 the whole SM's shared memory for the ring
 # with a second stage's wgmma in flight ("full-ring-wgmma2") was faster in both runs, back to back, on the launches
-# whose CTAs stream 128 or more weight blocks (10240x8192 +7.2 / +4.5 %, 8192x28672 +3.2 / +1.4 %, 57344x8192 +5.5 /
+# whose CTAs stream 128 or more weight blocks (10240x8192 +7.2 / +4.5 %, 8192x28672 +3.1 / +1.4 %, 57344x8192 +5.5 /
 # +1.0 %; in situ, run 14: +6.9, +4.2, +2.5 %) and slower on 4096x4096, 6144x4096 and 4096x14336 (21-74 blocks per CTA,
 # -0.8 to -3.6 %); 14336x4096 (64 blocks) gained 2.1-2.7 %. Trace run 8: 10240x8192's CTAs streamed 34.3 us against
-# 43.9 us, the first stage landing 1.5 us later. So deep_ring_blocks=100 (only M=64: at M=32 10240x8192 lost 3-5 %);
-# run 16 checked the shipped policy against none: +7.3, +4.9 and +1.8 % on those three, the other cells the same build.
+# 43.9 us, the first stage landing 1.5 us later. So deep_ring_blocks=100 (only the M=64 build, M 33-64: at M=32
+# 10240x8192 lost 3-5 %); run 16 checked the shipped policy against none: +7.3, +4.9 and +1.8 % on those three, the
+# other cells the same build.
 # Marking x evict-last in L2 (x_eviction) and two consumer warpgroups (consumer_warpgroups=2) did not help (geomean
 # 1.067x against 1.067x in run 14; 1.058x against 1.062x in run 15).
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
@@ -770,10 +772,11 @@ class WeightStreamingLinear:
         )
         if cutlass.const_expr(cluster_k):
             row_tiles = cute.ceil_div(weight.shape[0], TILE_N)
-            kernel.launch(grid=[cluster_k, row_tiles, 1], block=[self.options.threads, 1, 1], cluster=[cluster_k, 1, 1],
-                          stream=stream, use_pdl=self.options.pdl)
+            kernel.launch(grid=[cluster_k, row_tiles, 1], block=[self.options.threads, 1, 1],
+                          cluster=[cluster_k, 1, 1], stream=stream, use_pdl=self.options.pdl)
         else:
-            kernel.launch(grid=[num_ctas, 1, 1], block=[self.options.threads, 1, 1], stream=stream, use_pdl=self.options.pdl)
+            kernel.launch(grid=[num_ctas, 1, 1], block=[self.options.threads, 1, 1], stream=stream,
+                          use_pdl=self.options.pdl)
 
     @cute.kernel
     def kernel(
