@@ -64,6 +64,7 @@ OPTION_VARIANTS = [
     linear.DEFAULT_OPTIONS._replace(cluster_fit=False),
     linear.DEFAULT_OPTIONS._replace(early_trigger=False, load_trigger=True),
     linear.DEFAULT_OPTIONS._replace(consumer_warpgroups=2),
+    linear.DEFAULT_OPTIONS._replace(smem_share=1, wgmma_in_flight=2),  # the deep ring (deep_ring_blocks) at every M
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
