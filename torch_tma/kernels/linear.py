@@ -638,8 +638,7 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
     if options.deep_ring_blocks and m_pad(M) == M_PADS[-1] and (
             _blocks_per_cta(N, K, sm_count, resolved) >= options.deep_ring_blocks):
         deep = _split_for(options._replace(smem_share=1, wgmma_in_flight=2), N, K, M, sm_count, capacity)
-        if deep.cluster_k == resolved.cluster_k and grid_size(N, K, sm_count, deep) == grid_size(N, K, sm_count,
-                                                                                                 resolved):
+        if deep.cluster_k == resolved.cluster_k:  # with ctas_per_sm unchanged, the same grid (grid_size)
             return deep
     return resolved
 
