@@ -72,6 +72,14 @@ def variants(linear):
     }
 
 
+def select_variants(parser, table, names):
+    """The entries of table named in names (all of them for none); an unknown name is a usage error."""
+    unknown = set(names or ()) - set(table)
+    if unknown:
+        parser.error(f"unknown variant(s) {sorted(unknown)}; known: {sorted(table)}")
+    return {name: o for name, o in table.items() if not names or name in names}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--csv", help="also write one row per (variant, shape, M) here")
@@ -93,11 +101,7 @@ def main():
     print(f"clusters of 1..{linear.MAX_CLUSTER_K} CTAs the GPU runs at once, one CTA per SM: {capacity}", flush=True)
     cache = torch_tma.default_cache(device)
     stream = torch.cuda.Stream()
-    table = variants(linear)
-    unknown = set(args.variant or ()) - set(table)
-    if unknown:
-        parser.error(f"unknown variant(s) {sorted(unknown)}; known: {sorted(table)}")
-    table = {name: o for name, o in table.items() if not args.variant or name in args.variant}
+    table = select_variants(parser, variants(linear), args.variant)
     in_situ_names = tuple(args.in_situ or IN_SITU)
     ms = tuple(args.ms)
     # One workspace per variant: partials for 2 tiles per CTA at the largest grid, counters zero.

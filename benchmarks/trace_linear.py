@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us  # noqa: E402
+import sweep_linear  # noqa: E402
 
 CASES = [(4096, 4096, 1), (4096, 4096, 16), (6144, 4096, 1), (4096, 14336, 1), (10240, 8192, 1), (28672, 4096, 1)]
 CALLS_PER_GRAPH = 24
@@ -45,19 +46,19 @@ SKIP_CALLS = 2  # the graph's first calls follow the previous replay's tail: lef
 
 
 def variants(linear):
+    """sweep_linear's variants as trace builds, and the ones only traced."""
     shipped = linear.DEFAULT_OPTIONS._replace(trace=True)
-    return {"shipped": shipped, "stream-k": shipped._replace(cluster_split=0),
-            "stream-k-no-pdl": shipped._replace(cluster_split=0, pdl=False, weight_before_wait=False),
-            "cluster2": shipped._replace(cluster_split=2, cluster_fit=False),
-            "stacked": shipped._replace(cluster_fit=False), "param-desc": shipped._replace(weight_descriptor="param"),
-            "no-prefetch": shipped._replace(descriptor_prefetch=""),
-            "prefetch-acquired": shipped._replace(descriptor_prefetch="entry-acquired"),
-            "release-arrive": shipped._replace(relaxed_cluster_arrive=False),
-            "full-ring": shipped._replace(smem_share=1), "evict-normal": shipped._replace(weight_eviction="normal"),
-            "load-trigger": shipped._replace(load_trigger=True),
-            "no-trigger": shipped._replace(load_trigger_grid=0.0), "x-evict-last": shipped._replace(x_eviction="last"),
-            "full-ring-wgmma2": shipped._replace(smem_share=1, wgmma_in_flight=2),
-            "two-wg": shipped._replace(consumer_warpgroups=2)}
+    table = {name: o._replace(trace=True) for name, o in sweep_linear.variants(linear).items()}
+    table.update({"stream-k": shipped._replace(cluster_split=0),
+                  "stream-k-no-pdl": shipped._replace(cluster_split=0, pdl=False, weight_before_wait=False),
+                  "cluster2": shipped._replace(cluster_split=2, cluster_fit=False),
+                  "stacked": shipped._replace(cluster_fit=False),
+                  "param-desc": shipped._replace(weight_descriptor="param"),
+                  "no-prefetch": shipped._replace(descriptor_prefetch=""),
+                  "prefetch-acquired": shipped._replace(descriptor_prefetch="entry-acquired"),
+                  "release-arrive": shipped._replace(relaxed_cluster_arrive=False),
+                  "evict-normal": shipped._replace(weight_eviction="normal")})
+    return table
 
 
 def summarize(trace, fields, calls):
@@ -121,11 +122,7 @@ def main():
     fields = linear.TRACE_FIELDS
     partials = torch.empty(sm_count * 2 * linear.M_PADS[-1] * linear.TILE_N, dtype=torch.float32, device=device)
     arrivals = torch.zeros(linear.MAX_ROW_TILES, dtype=torch.int32, device=device)
-    table = variants(linear)
-    unknown = set(args.variant or ()) - set(table)
-    if unknown:
-        parser.error(f"unknown variant(s) {sorted(unknown)}; known: {sorted(table)}")
-    table = {name: o for name, o in table.items() if not args.variant or name in args.variant}
+    table = sweep_linear.select_variants(parser, variants(linear), args.variant)
     rows = []
     for n, k, m in args.case or CASES:
         copies = max(2, -(-ROTATION_BYTES // (n * k * 2)))

@@ -684,6 +684,20 @@ def _check_build(options, m, n, k, bias, label):
     _check(out, x, weight, b, label)
 
 
+def _check_split_builds(options, shapes, ms, label, counters_zero=False):
+    """_check_build for every (N, K) of shapes and M of ms that options.cluster_k applies to (no more CTAs per tile than
+    K has 64-column blocks, and the received partials fit the share); with bias at odd M. counters_zero: the stream-K
+    arrival counters are back at zero after each launch."""
+    for n, k in shapes:
+        for m in ms:
+            if options.cluster_k > -(-k // linear.TILE_K) or not linear._fits_cluster(linear.m_pad(m), options.cluster_k,
+                                                                                     options.smem_slots):
+                continue
+            _check_build(options, m, n, k, m % 2 == 1, f"{label} {n}x{k} M={m}")
+            if counters_zero:
+                assert int(linear._workspace(0).arrivals.abs().sum()) == 0
+
+
 @on_gpu
 @pytest.mark.parametrize("cluster_k", range(1, linear.MAX_CLUSTER_K + 1), ids=lambda c: f"k{c}")
 def test_cluster_split_numerics(cluster_k):
@@ -691,11 +705,8 @@ def test_cluster_split_numerics(cluster_k):
     their own or in CTA 0's ring), with and without bias: each output element matches the float64 reference
     (NaN-poisoned before the launch)."""
     options = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_fit=False, cluster_k=cluster_k)
-    for n, k in [(4096, 4096), (1024, 4096), (6144, 4096), (1000, 1000), (129, 520), (8, 256)]:
-        for m in (1, 2, 7, 8, 9, 16, 17, 32, 33, 64):
-            if cluster_k > -(-k // linear.TILE_K) or not linear._fits_cluster(linear.m_pad(m), cluster_k, 2):
-                continue
-            _check_build(options, m, n, k, m % 2 == 1, f"cluster_k={cluster_k} {n}x{k} M={m}")
+    _check_split_builds(options, [(4096, 4096), (1024, 4096), (6144, 4096), (1000, 1000), (129, 520), (8, 256)],
+                        (1, 2, 7, 8, 9, 16, 17, 32, 33, 64), f"cluster_k={cluster_k}")
 
 
 @on_gpu
@@ -707,13 +718,9 @@ def test_two_consumer_warpgroups_numerics(cluster_k):
     counters are zero after each launch."""
     options = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_fit=False, cluster_k=cluster_k,
                                               consumer_warpgroups=2)
-    for n, k in [(4096, 4096), (1024, 4096), (1000, 1000), (129, 520), (8, 256)]:
-        for m in (1, 2, 8, 9, 16, 31, 32, 33, 64):
-            if cluster_k > -(-k // linear.TILE_K) or (cluster_k > 1 and
-                                                      not linear._fits_cluster(linear.m_pad(m), cluster_k, 2)):
-                continue
-            _check_build(options, m, n, k, m % 2 == 1, f"2 warpgroups, cluster_k={cluster_k} {n}x{k} M={m}")
-            assert int(linear._workspace(0).arrivals.abs().sum()) == 0
+    _check_split_builds(options, [(4096, 4096), (1024, 4096), (1000, 1000), (129, 520), (8, 256)],
+                        (1, 2, 8, 9, 16, 31, 32, 33, 64), f"2 warpgroups, cluster_k={cluster_k}",
+                        counters_zero=True)
 
 
 @on_gpu
