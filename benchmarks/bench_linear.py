@@ -4,12 +4,16 @@
     python benchmarks/bench_linear.py --quick              # two shapes, M in {1, 16}: a smoke run
     python benchmarks/bench_linear.py --plot CSV           # only redraw the PNG from a CSV (any machine)
 
-For every shape N x K and M in {1, 2, 4, 8, 16, 32, 64} (bf16, no bias): validate both providers against a
-float64 reference, then time them as CUDA events around replays of one CUDA graph that holds many calls,
-each on the next of several weight copies so the working set is well past the 60 MB L2 (what a model's
-layer sequence does). The floor is (weight + x + y bytes) / ceiling, with the ceiling measured in the same
-run (a 2 GiB torch.sum read and a 1 GiB device copy, the faster). Then a sweep of the weight descriptor's
-L2 promotion (NONE / 64B / 128B / 256B) per shape at M in {1, 16, 64}, and the eager host cost per call.
+For every shape N x K and M in {1, 2, 4, 8, 16, 32, 64} (bf16, no bias): validate the providers (the kernel,
+torch.ops.tma.linear, cuBLAS's F.linear) against a float64 reference, then time them as CUDA events around replays
+of one CUDA graph per provider that holds many calls, each on the next of several weight copies so the working set
+is well past the 60 MB L2 (what a model's layer sequence does). The providers' graphs are replayed in turns
+(interleaved_time_us), back to back and then in situ (a small kernel before each call), so a drift of the GPU's
+clocks during a cell reaches all of them; NVML's SM and memory clocks, power and clock-event reasons, sampled
+during the replays (gpu_clocks.py), go into every row. The floor is (weight + x + y bytes) / ceiling, with the
+ceiling measured in the same run (a 2 GiB torch.sum read and a 1 GiB device copy, the faster). Then a sweep of the
+weight descriptor's L2 promotion (NONE / 64B / 128B / 256B, timed in turns) per shape at M in {1, 16, 64}, and
+the eager host cost per call.
 
 Writes docs/results/linear-h200.csv (long format, one row per measurement) and docs/results/linear-h200.png
 (% of floor by shape and M for both providers), and prints a summary with the geomean speedup.
@@ -29,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_clocks  # noqa: E402
 from profile_host import host_us  # noqa: E402
 
 SHAPES = {  # name: (N, K)
@@ -46,8 +51,9 @@ DTYPE = torch.bfloat16
 ROTATION_BYTES = 400 << 20  # weight copies per shape: together at least this much, ~7x the L2
 CALLS_PER_GRAPH = 40
 REPLAYS = 15
+ROUNDS = 5  # interleaved_time_us: turns per list, REPLAYS // ROUNDS replays each
 CSV_FIELDS = ["metric", "name", "N", "K", "M", "dtype", "provider", "l2_promotion", "us_p20", "us_p50", "us_p80",
-              "floor_us", "ceiling_gbs", "pct_floor", "gpu", "torch", "date"]
+              "floor_us", "ceiling_gbs", "pct_floor", "gpu", "torch", "date", *gpu_clocks.FIELDS]
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CSV = os.path.join(HERE, "..", "docs", "results", "linear-h200.csv")
 
@@ -55,8 +61,8 @@ DEFAULT_CSV = os.path.join(HERE, "..", "docs", "results", "linear-h200.csv")
 # ---- measurement ---------------------------------------------------------------------------------------
 
 
-def graph_time_us(calls, stream) -> tuple[float, float, float]:
-    """GPU microseconds per call (p20, p50, p80 over REPLAYS) of one CUDA graph that runs every call once."""
+def capture(calls, stream) -> torch.cuda.CUDAGraph:
+    """One CUDA graph that runs every call once, warmed up and replayed once."""
     stream.wait_stream(torch.cuda.current_stream())  # inputs and descriptor slots were written there
     with torch.cuda.stream(stream):  # warm up on the capture stream: compile, workspaces, cuBLAS handles
         for call in calls:
@@ -68,27 +74,66 @@ def graph_time_us(calls, stream) -> tuple[float, float, float]:
             call()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def replays_us(graph, calls: int, replays: int, clocks=None) -> list[float]:
+    """GPU microseconds per call of each of `replays` replays (CUDA events around each); clocks (gpu_clocks.Clocks):
+    one NVML sample during each replay."""
     per_call = []
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
+        if clocks is not None:
+            clocks.sample()
         end.synchronize()
-        per_call.append(start.elapsed_time(end) * 1e3 / len(calls))
+        per_call.append(start.elapsed_time(end) * 1e3 / calls)
+    return per_call
+
+
+def quantiles(per_call) -> tuple[float, float, float]:
+    """(p20, p50, p80)."""
     q = statistics.quantiles(per_call, n=10)
     return q[1], statistics.median(per_call), q[7]
 
 
-def in_situ_time_us(calls, x, stream) -> tuple[float, float, float]:
-    """GPU microseconds per call "in situ": the calls' graph with a small elementwise kernel on x before each call
-    (x *= 1, as a norm or an activation feeds a linear layer in a model), less the small kernel's own median time.
-    Back-to-back calls let a PDL launch overlap the previous call of the same kernel; here nothing of ours comes
-    before a call, as in a decode step."""
+def graph_time_us(calls, stream, clocks=None) -> tuple[float, float, float]:
+    """GPU microseconds per call (p20, p50, p80 over REPLAYS) of one CUDA graph that runs every call once."""
+    return quantiles(replays_us(capture(calls, stream), len(calls), REPLAYS, clocks))
+
+
+def interleaved_time_us(call_lists, stream, clocks=None) -> list[tuple[float, float, float]]:
+    """graph_time_us of several lists of calls, timed in turns: every list's graph is captured first, then ROUNDS
+    rounds each replay every graph REPLAYS // ROUNDS times, the order rotating by one each round. A change of the
+    GPU's clocks or temperature during the cell then reaches every list alike, where timing one list after another
+    gave the last a different GPU (docs/linear.md: the same cuBLAS call, timed after the others, 7 % slower)."""
+    graphs = [capture(calls, stream) for calls in call_lists]
+    per_call = [[] for _ in graphs]
+    for r in range(ROUNDS):
+        for i in ((r + j) % len(graphs) for j in range(len(graphs))):
+            per_call[i] += replays_us(graphs[i], len(call_lists[i]), REPLAYS // ROUNDS, clocks)
+    return [quantiles(t) for t in per_call]
+
+
+def in_situ_times_us(call_lists, x, stream, clocks=None) -> list[tuple[float, float, float]]:
+    """GPU microseconds per call "in situ", per list of calls (all of one length): the calls' graph with a small
+    elementwise kernel on x before each call (x *= 1, as a norm or an activation feeds a linear layer in a model),
+    less the small kernel's own median time; the graphs, and the small kernel's alone, timed in turns
+    (interleaved_time_us). Back-to-back calls let a PDL launch overlap the previous call of the same kernel; here
+    nothing of ours comes before a call, as in a decode step."""
     feed = functools.partial(torch.Tensor.mul_, x, 1.0)
-    feed_us = graph_time_us([feed] * len(calls), stream)[1]
-    paired = graph_time_us([c for call in calls for c in (feed, call)], stream)
-    return tuple(2 * t - feed_us for t in paired)
+    n = len(call_lists[0])
+    assert all(len(calls) == n for calls in call_lists), "in_situ_times_us: lists of one length"
+    feed_times, *paired = interleaved_time_us([[feed] * n] + [[c for call in calls for c in (feed, call)]
+                                                               for calls in call_lists], stream, clocks)
+    return [tuple(2 * t - feed_times[1] for t in times) for times in paired]
+
+
+def in_situ_time_us(calls, x, stream) -> tuple[float, float, float]:
+    """in_situ_times_us of one list of calls."""
+    return in_situ_times_us([calls], x, stream)[0]
 
 
 def measure_ceiling_gbs(stream) -> dict:
@@ -162,14 +207,17 @@ def run(shapes, ms, sweep_ms, csv_path):
     print(f"ceiling: torch.sum read {rates['sum_read']:.0f} GB/s, copy (read+write) {rates['copy_read_write']:.0f} "
           f"GB/s -> {ceiling:.0f} GB/s", flush=True)
     rows = []
+    clocks = gpu_clocks.Clocks.for_device(device)
+    if clocks.error:
+        print(f"no clock readings in the CSV: {clocks.error}", flush=True)
 
-    def record(metric, name, n, k, m, provider, promotion, times, floor_us=None) -> float:
+    def record(metric, name, n, k, m, provider, promotion, times, floor_us=None, state=None):
         p20, p50, p80 = times
         rows.append({**common, "metric": metric, "name": name, "N": n, "K": k, "M": m, "provider": provider,
                      "l2_promotion": promotion, "us_p20": f"{p20:.3f}", "us_p50": f"{p50:.3f}", "us_p80": f"{p80:.3f}",
                      "floor_us": "" if floor_us is None else f"{floor_us:.3f}", "ceiling_gbs": f"{ceiling:.0f}",
-                     "pct_floor": "" if floor_us is None else f"{100 * floor_us / p50:.1f}"})
-        return p50
+                     "pct_floor": "" if floor_us is None else f"{100 * floor_us / p50:.1f}",
+                     **(state or dict.fromkeys(gpu_clocks.FIELDS, ""))})
 
     default = linear.DEFAULT_L2_PROMOTION
     for name in shapes:
@@ -180,29 +228,35 @@ def run(shapes, ms, sweep_ms, csv_path):
             out = torch.full((m, n), math.nan, dtype=DTYPE, device=device)
             assert linear.unsupported_reason(x, shape.weights[0], None, crossover=False) is None
             floor_us = (n * k + m * k + m * n) * 2 / ceiling / 1e3
-            # the default promotion first: its row is the cell's torch_tma result
-            promotions = [default] + ([p for p in torch_tma.L2Promotion if p != default] if m in sweep_ms else [])
-            for promotion in promotions:
-                calls = shape.ours(x, out, promotion)
-                out.fill_(math.nan)
-                calls[0]()
-                check_close(out, x, shape.weights[0], f"torch_tma {name} M={m} {promotion.name}")
-                metric = "gpu_us" if promotion == default else "gpu_us_promotion_sweep"
-                us = record(metric, name, n, k, m, "torch_tma", promotion.name, graph_time_us(calls, stream), floor_us)
-                if promotion == default:
-                    ours = us
-            record("gpu_us_in_situ", name, n, k, m, "torch_tma", default.name,
-                   in_situ_time_us(shape.ours(x, out, default), x, stream), floor_us)
-            op_calls = shape.op(x)
-            check_close(op_calls[0](), x, shape.weights[0], f"torch.ops.tma.linear {name} M={m}")
-            record("gpu_us", name, n, k, m, "torch_tma_op", default.name, graph_time_us(op_calls, stream), floor_us)
-            record("gpu_us_in_situ", name, n, k, m, "torch_tma_op", default.name,
-                   in_situ_time_us(op_calls, x, stream), floor_us)
-            check_close(F.linear(x, shape.weights[0]), x, shape.weights[0], f"cublas {name} M={m}")
-            theirs = record("gpu_us", name, n, k, m, "cublas", "", graph_time_us(shape.cublas(x), stream), floor_us)
-            record("gpu_us_in_situ", name, n, k, m, "cublas", "", in_situ_time_us(shape.cublas(x), x, stream), floor_us)
+            providers = {"torch_tma": (shape.ours(x, out, default), default.name),
+                         "torch_tma_op": (shape.op(x), default.name), "cublas": (shape.cublas(x), "")}
+            out.fill_(math.nan)
+            providers["torch_tma"][0][0]()
+            check_close(out, x, shape.weights[0], f"torch_tma {name} M={m}")
+            check_close(providers["torch_tma_op"][0][0](), x, shape.weights[0], f"torch.ops.tma.linear {name} M={m}")
+            check_close(providers["cublas"][0][0](), x, shape.weights[0], f"cublas {name} M={m}")
+            lists = [calls for calls, _ in providers.values()]
+            back, back_state = interleaved_time_us(lists, stream, clocks), clocks.take()
+            situ, situ_state = in_situ_times_us(lists, x, stream, clocks), clocks.take()
+            for metric, timed, state in (("gpu_us", back, back_state), ("gpu_us_in_situ", situ, situ_state)):
+                for (provider, (_, promotion)), times in zip(providers.items(), timed):
+                    record(metric, name, n, k, m, provider, promotion, times, floor_us, state)
+            ours, theirs, state = back[0][1], back[2][1], back_state
             print(f"{name:18s} M={m:<3d} torch_tma {ours:8.2f} us  cublas {theirs:8.2f} us  floor {floor_us:7.2f} us  "
-                  f"speedup {theirs / ours:5.2f}x  [{time.perf_counter() - started:5.0f} s]", flush=True)
+                  f"speedup {theirs / ours:5.2f}x  (SM {state['sm_mhz_min']}-{state['sm_mhz_max']} MHz, "
+                  f"{state['power_w_max']} W{' ' + state['clock_events'] if state['clock_events'] else ''})  "
+                  f"[{time.perf_counter() - started:5.0f} s]", flush=True)
+            if m in sweep_ms:  # every promotion, the default too, timed in turns
+                promotions = list(torch_tma.L2Promotion)
+                for promotion in promotions:
+                    out.fill_(math.nan)
+                    shape.ours(x, out, promotion)[0]()
+                    check_close(out, x, shape.weights[0], f"torch_tma {name} M={m} {promotion.name}")
+                timed = interleaved_time_us([shape.ours(x, out, p) for p in promotions], stream, clocks)
+                state = clocks.take()
+                for promotion, times in zip(promotions, timed):
+                    record("gpu_us_promotion_sweep", name, n, k, m, "torch_tma", promotion.name, times, floor_us,
+                           state)
         del shape
         torch.cuda.empty_cache()
 
@@ -272,7 +326,7 @@ def summarize(rows):
     print(f"cells on weights >= 100 MB under 90 % of floor: {len(low_floor)}" + "".join(f"\n  {s}" for s in low_floor))
     sweep = {}
     for r in rows:
-        if r["provider"] == "torch_tma" and r["metric"] in ("gpu_us", "gpu_us_promotion_sweep"):
+        if r["metric"] == "gpu_us_promotion_sweep":
             sweep.setdefault((r["name"], int(r["M"])), {})[r["l2_promotion"]] = float(r["us_p50"])
     print("\nL2 promotion sweep (p50 us; * = fastest):")
     for (name, m), by in sorted(sweep.items()):

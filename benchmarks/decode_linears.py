@@ -41,13 +41,14 @@ def variants():
     shipped = linear.DEFAULT_OPTIONS
     return {
         "shipped": shipped,
-        # cluster and one-CTA-per-tile builds trigger the next launch once the TMA warp has issued its last weight
-        # load, instead of at exit
-        "load-trigger": shipped._replace(load_trigger=True),
-        # the same where the launch's grid is at most this share of the SMs (KernelOptions.load_trigger_grid; shipped:
-        # half); "no-trigger": at exit everywhere, the default before
-        "no-trigger": shipped._replace(load_trigger_grid=0.0),
-        "trigger-3q": shipped._replace(load_trigger_grid=0.75),
+        # launches of at most half the SMs trigger the next launch once the TMA warp has issued its last weight load
+        # and share their SMs with it (KernelOptions.load_trigger_grid; the shipped policy until sweep run 17)
+        "half-trigger": shipped._replace(exclusive_trigger_grid=0.0, load_trigger_grid=0.5),
+        # every cluster and one-CTA-per-tile build does; "trigger-3q": those of at most three quarters of the SMs;
+        # "no-trigger": at exit everywhere, the default before
+        "load-trigger": shipped._replace(exclusive_trigger_grid=0.0, load_trigger=True),
+        "no-trigger": shipped._replace(exclusive_trigger_grid=0.0),
+        "trigger-3q": shipped._replace(exclusive_trigger_grid=0.0, load_trigger_grid=0.75),
     }
 
 

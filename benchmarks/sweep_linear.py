@@ -2,9 +2,14 @@
 
     timeout 300 python benchmarks/sweep_linear.py [--csv PATH] [--variant NAME ...] [--in-situ NAME ...] [--ms M ...]
 
-For each variant (the shipped defaults, where launches of at most half the SMs trigger the next launch once the TMA
-warp has issued its last weight load, KernelOptions.load_trigger_grid; "load-trigger": every cluster and
-one-CTA-per-tile build does; "no-trigger": none does, they trigger at exit; "x-evict-last": x loads marked
+For each variant (the shipped defaults, where cluster and one-CTA-per-tile launches of at most three quarters of the
+SMs trigger the next launch once the TMA warp has issued its last weight load and ask for more than half an SM's
+shared memory, so the next launch's CTAs start only on SMs they leave free: KernelOptions.exclusive_trigger_grid;
+"exclusive-trigger": every such launch that fits one CTA per SM does, long runs on a half-SM ring too;
+"half-trigger": the shipped policy before,
+launches of at most half the SMs trigger after their last load and share their SMs (load_trigger_grid=0.5);
+"load-trigger": every cluster and one-CTA-per-tile build triggers that way and shares its SMs; "no-trigger": none
+triggers before exit; "x-evict-last": x loads marked
 evict-last in L2; "full-ring": the whole SM's shared memory for the ring; "full-ring-wgmma2": that and a second
 stage's wgmma in flight (at every M; shipped only for M=64 runs of 100 blocks or more,
 KernelOptions.deep_ring_blocks); "no-deep-ring": none of them; "two-wg": two consumer warpgroups of 64 weight rows
@@ -59,9 +64,13 @@ def variants(linear):
     shipped = linear.DEFAULT_OPTIONS
     return {
         "shipped": shipped,
+        # every one that fits one CTA per SM triggers after its last load and is alone on its SMs
+        "exclusive-trigger": shipped._replace(exclusive_trigger_grid=1.0, exclusive_max_blocks=0),
+        # launches of at most half the SMs trigger after their last load, sharing their SMs (shipped until run 17)
+        "half-trigger": shipped._replace(exclusive_trigger_grid=0.0, load_trigger_grid=0.5),
         # every cluster and one-CTA-per-tile build triggers the next launch after its last weight load, not at exit
-        "load-trigger": shipped._replace(load_trigger=True),
-        "no-trigger": shipped._replace(load_trigger_grid=0.0),  # every one triggers at exit
+        "load-trigger": shipped._replace(exclusive_trigger_grid=0.0, load_trigger=True),
+        "no-trigger": shipped._replace(exclusive_trigger_grid=0.0),  # every one triggers at exit
         "x-evict-last": shipped._replace(x_eviction="last"),  # x loads marked evict-last in L2
         "full-ring": shipped._replace(smem_share=1),  # the whole SM's shared memory for the ring
         # ... and a second stage's wgmma in flight, which the half-SM ring could not afford (run 5)

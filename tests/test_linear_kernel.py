@@ -65,11 +65,14 @@ OPTION_VARIANTS = [
     linear.DEFAULT_OPTIONS._replace(early_trigger=False, load_trigger=True),
     linear.DEFAULT_OPTIONS._replace(consumer_warpgroups=2),
     linear.DEFAULT_OPTIONS._replace(smem_share=1, wgmma_in_flight=2),  # the deep ring (deep_ring_blocks) at every M
+    # alone on its SMs, triggering after the last load wherever the grid fits (exclusive_trigger_grid=1), and
+    # exclusive_sm on every build, stream-K too
+    linear.DEFAULT_OPTIONS._replace(exclusive_trigger_grid=1.0, exclusive_sm=True),
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
               f"{'-prefetch' * bool(o.descriptor_prefetch)}{'-loadtrigger' * o.load_trigger}"
-              f"{'-2wg' * (o.consumer_warpgroups == 2)}"
+              f"{'-2wg' * (o.consumer_warpgroups == 2)}{'-exclusive' * o.exclusive_sm}"
               for o in OPTION_VARIANTS]
 
 
@@ -237,6 +240,14 @@ def test_kernel_options_check():
         linear.KernelOptions(wgmma_in_flight=3).check()
     with pytest.raises(ValueError, match="load_trigger"):
         linear.KernelOptions(load_trigger=True).check()
+    with pytest.raises(ValueError, match="exclusive_trigger_grid and exclusive_sm"):
+        linear.KernelOptions(exclusive_sm=True).check()
+    with pytest.raises(ValueError, match="exclusive_trigger_grid and exclusive_sm"):
+        linear.DEFAULT_OPTIONS._replace(ctas_per_sm=2, cluster_split=0).check()
+    with pytest.raises(ValueError, match="exclusive_trigger_grid must be a share"):
+        linear.DEFAULT_OPTIONS._replace(exclusive_trigger_grid=1.5).check()
+    with pytest.raises(ValueError, match="exclusive_max_blocks"):
+        linear.DEFAULT_OPTIONS._replace(exclusive_max_blocks=-1).check()
     with pytest.raises(ValueError, match="weight_eviction"):
         linear.KernelOptions(weight_eviction="last").check()
     with pytest.raises(ValueError, match="x_eviction"):
@@ -420,26 +431,76 @@ def test_crossover_by_weight_size_and_launch():
 
 
 def test_load_trigger_policy():
-    """options_for turns load_trigger on for cluster-split launches of at most load_trigger_grid of the SMs (the
-    shipped half: Llama-3-8B's k/v projections, 64 CTAs on an H200), never for stream-K (which triggers at start)."""
+    """options_for turns load_trigger on for cluster-split launches of at most load_trigger_grid of the SMs, never for
+    stream-K (which triggers at start). The shipped options leave it to exclusive_trigger_grid (the next test)."""
     capacity = (132, 66, 39, 30, 22, 17, 15, 15)  # an H200's (cluster_capacity)
 
     def resolved(options, n, k, m=1):
         o = linear.options_for(options, n, k, m, 132, capacity)
-        return o.load_trigger, linear.grid_size(n, k, 132, o)
+        return o.load_trigger, o.exclusive_sm, linear.grid_size(n, k, 132, o)
 
-    shipped = linear.DEFAULT_OPTIONS
-    assert shipped.load_trigger_grid == 0.5 and not shipped.load_trigger
-    assert resolved(shipped, 1024, 4096) == (True, 64)
-    assert resolved(shipped, 1024, 4096, 64) == (True, 24)  # M=64: 3 CTAs per tile, what the partials fit
-    assert resolved(shipped, 4096, 4096) == (False, 96)
-    assert resolved(shipped, 14336, 4096) == (False, 112)
-    assert resolved(shipped._replace(load_trigger_grid=0.75), 4096, 4096) == (True, 96)
-    assert resolved(shipped._replace(load_trigger_grid=0.0), 1024, 4096) == (False, 64)
-    stream_k = linear.options_for(shipped, 57344, 8192, 1, 132, capacity)
+    half = linear.DEFAULT_OPTIONS._replace(exclusive_trigger_grid=0.0, load_trigger_grid=0.5)  # shipped until run 17
+    assert linear.DEFAULT_OPTIONS.load_trigger_grid == 0.0 and not linear.DEFAULT_OPTIONS.load_trigger
+    assert resolved(half, 1024, 4096) == (True, False, 64)
+    assert resolved(half, 1024, 4096, 64) == (True, False, 24)  # M=64: 3 CTAs per tile, what the partials fit
+    assert resolved(half, 4096, 4096) == (False, False, 96)
+    assert resolved(half, 14336, 4096) == (False, False, 112)
+    assert resolved(half._replace(load_trigger_grid=0.75), 4096, 4096) == (True, False, 96)
+    assert resolved(half._replace(load_trigger_grid=0.0), 1024, 4096) == (False, False, 64)
+    stream_k = linear.options_for(half, 57344, 8192, 1, 132, capacity)
     assert stream_k.cluster_k == 0 and stream_k.early_trigger and not stream_k.load_trigger
     with pytest.raises(ValueError, match="load_trigger_grid"):
-        shipped._replace(load_trigger_grid=1.5).check()
+        half._replace(load_trigger_grid=1.5).check()
+
+
+def test_exclusive_trigger_policy():
+    """exclusive_trigger_grid (shipped: 0.75) gives every cluster-split or one-CTA-per-tile launch of at most that
+    share of the SMs the trigger after its last load: on an H200 the launches of 96 CTAs and fewer, not those of 112 or
+    128, and not a half-SM ring's run of exclusive_max_blocks or more. Every such launch that fits one CTA per SM takes
+    its SMs alone (exclusive_sm), whatever its trigger; a launch of more CTAs than SMs and stream-K never."""
+    capacity = (132, 66, 39, 30, 22, 17, 15, 15)  # an H200's (cluster_capacity)
+    shipped, everywhere = linear.DEFAULT_OPTIONS, linear.DEFAULT_OPTIONS._replace(exclusive_trigger_grid=1.0)
+
+    def resolved(options, n, k, m=1):
+        o = linear.options_for(options, n, k, m, 132, capacity)
+        return o.load_trigger, o.exclusive_sm, linear.grid_size(n, k, 132, o)
+
+    assert shipped.exclusive_trigger_grid == 0.75 and shipped.exclusive_max_blocks == 100
+    for n, k, m, ctas in ((4096, 4096, 1, 96), (4096, 4096, 64, 96), (6144, 4096, 16, 96), (4096, 14336, 32, 96),
+                          (1024, 4096, 1, 64), (1024, 4096, 64, 24)):
+        assert resolved(shipped, n, k, m) == (True, True, ctas), (n, k, m)
+    # 128 blocks per CTA: on the half-SM ring a long run keeps the trigger at exit; the deep ring (M=64) takes it
+    for m in (1, 16, 32):
+        assert resolved(shipped, 10240, 8192, m) == (False, True, 80), m
+    assert resolved(shipped, 10240, 8192, 64)[:2] == (True, True)
+    assert resolved(shipped._replace(exclusive_max_blocks=0), 10240, 8192, 32) == (True, True, 80)
+    assert resolved(shipped._replace(exclusive_max_blocks=74), 4096, 14336, 32) == (False, True, 96)  # 74 blocks
+    assert resolved(shipped, 14336, 4096) == (False, True, 112)  # one CTA per row tile, no cluster
+    assert resolved(everywhere, 14336, 4096) == (True, True, 112)
+    assert resolved(shipped, 8192, 28672, 64) == (False, True, 128)
+    assert resolved(shipped._replace(exclusive_trigger_grid=0.0), 4096, 4096) == (False, False, 96)
+    assert resolved(shipped._replace(exclusive_trigger_grid=0.0), 14336, 4096) == (False, False, 112)
+    for options in (shipped, everywhere):
+        assert resolved(options, 28672, 4096) == (False, False, 224)  # 224 row tiles: two CTAs per SM
+        stream_k = linear.options_for(options, 57344, 8192, 1, 132, capacity)
+        assert stream_k.cluster_k == 0 and stream_k.early_trigger and not stream_k.exclusive_sm
+
+
+def test_exclusive_sm_asks_for_more_than_half_the_sm():
+    """An exclusive_sm build's launch asks for EXCLUSIVE_SMEM_BYTES of dynamic shared memory, more than its ring
+    needs, so that two of its CTAs and the driver's share per CTA overflow one SM; the same build without it asks
+    for what its storage uses."""
+    assert 2 * (linear.EXCLUSIVE_SMEM_BYTES + linear.SMEM_PER_CTA_SYSTEM) > linear.SMEM_PER_SM
+    capacity = (132, 66, 39, 30, 22, 17, 15, 15)
+    options = linear.options_for(linear.DEFAULT_OPTIONS, 4096, 4096, 1, 132, capacity)
+    assert options.exclusive_sm and options.smem_slots == 2
+    ring = linear.pipeline_stages(8, 2, options.cluster_k) * (linear.TILE_N + 8) * linear.TILE_K * 2
+    assert ring + linear.SMEM_RESERVED < linear.EXCLUSIVE_SMEM_BYTES
+    asked = re.compile(rf"llvm\.mlir\.constant\({linear.EXCLUSIVE_SMEM_BYTES} : i64\)")
+    for exclusive in (True, False):
+        built = linear.compile_kernel(linear._DTYPES[torch.bfloat16], 8, False, "",
+                                      options._replace(exclusive_sm=exclusive))
+        assert bool(asked.search(str(built.ir_module))) == exclusive
 
 
 def test_deep_ring_policy(tmp_path):

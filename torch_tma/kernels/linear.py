@@ -32,8 +32,9 @@ How (160 threads per CTA; KernelOptions.consumer_warpgroups=2, a measured altern
   for the ring and keeps a second stage's wgmma in flight: those runs are limited by the consumer.
 - Programmatic dependent launch: weight blocks are loaded before griddepcontrol.wait, x and every output
   after it, so the start overlaps the previous kernel when that one lets it. A launch lets the next one start at
-  its CTAs' exit, or, where it takes at most half the SMs (KernelOptions.load_trigger_grid), once each CTA's TMA
-  warp has issued its last weight load.
+  its CTAs' exit, or, where it takes at most three quarters of the SMs (KernelOptions.exclusive_trigger_grid), once
+  each CTA's TMA warp has issued its last weight load; such a launch asks for more than half an SM's shared memory,
+  so the next one's CTAs start on the SMs it leaves free and then on each SM it gives up, never beside its own.
 
 Host path per call: validate (unsupported_reason) -> plan (cached per dtype, m_pad, bias) -> compiled
 kernel (cached, one per static configuration, TVM-FFI) -> launch on the current torch stream.
@@ -83,6 +84,8 @@ SMEM_RESERVED = 2 * 1024
 # Shared memory of one SM, split between co-resident CTAs; the driver keeps 1 KiB of it per CTA.
 SMEM_PER_SM = 228 * 1024
 SMEM_PER_CTA_SYSTEM = 1024
+# What a KernelOptions.exclusive_sm launch asks for at least: two such CTAs and their system shares overflow an SM.
+EXCLUSIVE_SMEM_BYTES = SMEM_PER_SM // 2
 MAX_CLUSTER_K = 8  # most CTAs one row tile is split across in a cluster-split build (the portable cluster size)
 # A cluster's CTA 0 receives cluster_k - 1 fp32 partials of 128 x m_pad. Up to this many bytes they get a buffer of
 # their own beside the ring (what was measured at M <= 16, cluster_k <= 4); larger ones land in CTA 0's ring once
@@ -153,6 +156,22 @@ class KernelOptions(NamedTuple):
         CTA per row tile) whose grid is at most this share of the SMs (0: never; 1: all of them). The next launch's
         CTAs take the SMs this one leaves free; where there are too few, the GPU places two CTAs of that launch on
         one SM (benchmarks/trace_linear.py: 4096x4096 after itself ran on 80 SMs, 16 of them holding two CTAs).
+    exclusive_trigger_grid: a policy beside load_trigger_grid: options_for() gives every cluster-split (or one CTA
+        per row tile) build whose grid is at most this share of the SMs load_trigger (0: never; 1: wherever the grid
+        fits one CTA per SM), except a build on a ring of a share of the SM (smem_share > 1) whose CTAs each stream
+        exclusive_max_blocks or more blocks; and, when it is above 0, every such build whose grid fits one CTA per SM
+        exclusive_sm. The next launch's CTAs then start on the SMs this one leaves free and on each of its SMs as its
+        CTA there exits, never beside it, so none of them shares an SM with another of its own launch (a launch that
+        triggers at exit asks for its SMs alone too: behind one that triggers early, it would otherwise put two of
+        its CTAs on some of the free SMs, docs/linear.md). The overlap saves ~1-1.5 us per launch and lengthens the overlapped streams
+        (benchmarks/trace_linear.py); shipped at 0.75: on an H200 launches of up to 96 CTAs gained, 112 and 128 lost,
+        and so did the long half-ring run of 10240x8192 at M=32 (docs/linear.md).
+    exclusive_max_blocks: the bound of exclusive_trigger_grid's exception above, in 64-column weight blocks per CTA
+        (0: none). Shipped at 100, deep_ring_blocks' value: the runs long enough for the deep ring at M=64.
+    exclusive_sm: the launch asks for more than half an SM's shared memory (EXCLUSIVE_SMEM_BYTES) whatever its ring
+        uses, so no second CTA of this kernel fits on an SM beside one of its CTAs. The ring keeps its smem_share
+        depth. Static; options_for() sets it from exclusive_trigger_grid (stream-K builds, whose trigger at CTA start
+        is meant to let the next launch in beside them, never get it).
     weight_before_wait: with pdl, the TMA warp fills the ring with weight blocks before
         griddepcontrol.wait and adds the x blocks after it. Valid only when the kernel just before this
         one in the stream does not write the weight (decode: weights are constant).
@@ -225,6 +244,9 @@ class KernelOptions(NamedTuple):
     early_trigger: bool = True
     load_trigger: bool = False
     load_trigger_grid: float = 0.0
+    exclusive_trigger_grid: float = 0.0
+    exclusive_max_blocks: int = 0
+    exclusive_sm: bool = False
     cluster_split: int = 0
     cluster_k: int = 0
     cluster_max_k: int = MAX_CLUSTER_K
@@ -267,9 +289,12 @@ class KernelOptions(NamedTuple):
         if (self.load_trigger or self.load_trigger_grid) and not self.pdl:
             raise ValueError("KernelOptions.load_trigger and load_trigger_grid need pdl=True (there is no dependent "
                              "launch to trigger)")
-        if not 0 <= self.load_trigger_grid <= 1:
-            raise ValueError(f"KernelOptions.load_trigger_grid must be a share of the SMs, 0..1, got "
-                             f"{self.load_trigger_grid!r}")
+        if (self.exclusive_trigger_grid or self.exclusive_sm) and (not self.pdl or self.ctas_per_sm != 1):
+            raise ValueError("KernelOptions.exclusive_trigger_grid and exclusive_sm need pdl=True and ctas_per_sm=1 "
+                             "(one CTA of a launch per SM)")
+        for name in ("load_trigger_grid", "exclusive_trigger_grid"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"KernelOptions.{name} must be a share of the SMs, 0..1, got {getattr(self, name)!r}")
         if self.weight_before_wait and not self.pdl:
             raise ValueError("KernelOptions.weight_before_wait needs pdl=True (there is no wait to load before)")
         if self.ctas_per_sm not in (1, 2):
@@ -292,6 +317,8 @@ class KernelOptions(NamedTuple):
             raise ValueError(f"KernelOptions.weight_eviction must be 'normal' or 'first', got {self.weight_eviction!r}")
         if self.x_eviction not in ("normal", "last"):
             raise ValueError(f"KernelOptions.x_eviction must be 'normal' or 'last', got {self.x_eviction!r}")
+        if self.exclusive_max_blocks < 0:
+            raise ValueError(f"KernelOptions.exclusive_max_blocks must be >= 0, got {self.exclusive_max_blocks!r}")
         if self.deep_ring_blocks < 0:
             raise ValueError(f"KernelOptions.deep_ring_blocks must be >= 0, got {self.deep_ring_blocks!r}")
         if self.consumer_warpgroups not in (1, 2):
@@ -355,7 +382,7 @@ class KernelOptions(NamedTuple):
 # launch once the TMA warp has issued its last weight load (load_trigger) instead of at exit took 1024x4096 M=1 from
 # 5.38 to 4.80 us back to back (its 64 CTAs leave the next launch 68 free SMs), but where two launches of 96 CTAs
 # overlap, the second ran two CTAs on some SMs (4096x4096 M=1: 80 SMs, 16 with two; 10.44 -> 11.21 us) and 4096x14336
-# lost at every M. So only launches of at most half the SMs trigger early (load_trigger_grid=0.5): in a decode step, the
+# lost at every M. So only launches of at most half the SMs triggered early (load_trigger_grid=0.5): in a decode step, the
 # v projection after the k one (docs/linear.md).
 # Sweep runs 14 and 15 (docs/results/sweep-linear-h200-run{14,15}.*): at M=64 the whole SM's shared memory for the ring
 # with a second stage's wgmma in flight ("full-ring-wgmma2") was faster in both runs, back to back, on the launches
@@ -367,9 +394,25 @@ class KernelOptions(NamedTuple):
 # other cells the same build.
 # Marking x evict-last in L2 (x_eviction) and two consumer warpgroups (consumer_warpgroups=2) did not help (geomean
 # 1.067x against 1.067x in run 14; 1.058x against 1.062x in run 15).
+# Sweep run 17 and trace run 10 (docs/results/sweep-linear-h200-run17.*, trace-linear-h200-run10.*): the trigger after
+# the last weight load with the launch asking for more than half an SM's shared memory (exclusive_sm), so that the next
+# launch's CTAs start only on SMs it leaves free and never two on one SM (trace: 96 of 96 CTAs started before the
+# previous call ended, none stacked). Every cluster and one-CTA-per-tile launch that fits one CTA per SM doing so
+# ("exclusive-trigger") took the sweep's back-to-back geomean from 1.074x to 1.111x (4096x4096 M=1 10.42 -> 9.54 us,
+# 1024x4096 M=1 4.69 -> 3.87, 4096x14336 M=64 34.27 -> 32.05); in situ, where no launch of ours comes just before,
+# 1.047x against 1.050x. It lost on the launches of 112 and 128 CTAs (14336x4096 M=1-32 by 1.6-3.5 %, 8192x28672
+# M=64 by 5 %), so exclusive_trigger_grid=0.75: up to 99 CTAs on 132 SMs, which takes in the launches
+# load_trigger_grid=0.5 covered. Sweep run 18, trace run 11 and that session's first grid: with it 10240x8192 at M=32
+# (one CTA per row tile, 128 blocks each on the half-SM ring) took 45.4-49.2 us against 42.4-43.4 without, so such long
+# half-ring runs keep the trigger at exit (exclusive_max_blocks=100). Sweep run 19: 1.107x back to back against 1.067x
+# for the policy before (load_trigger_grid=0.5), 1.044x against 1.046x in situ. In the decode benchmark's graph of the
+# step's linear layers back to back, gate (112 CTAs, trigger at exit) after o (96, trigger after its last load) put
+# two CTAs on some of the SMs o left free (4.430 against 4.175 ms per step); with every one-wave launch asking for its
+# SMs alone (exclusive_sm wherever the policy is on), 4.135 ms, and the step 1.114x over stock (docs/linear.md).
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                                 cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
-                                weight_eviction="first", load_trigger_grid=0.5, deep_ring_blocks=100)
+                                weight_eviction="first", exclusive_trigger_grid=0.75, exclusive_max_blocks=100,
+                                deep_ring_blocks=100)
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -625,9 +668,11 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
                 capacity: tuple[int, ...] = ()) -> "KernelOptions":
     """options resolved for one problem shape: cluster_k set from the cluster_split policy (cluster_k_for); a
     cluster-split build never triggers its dependents at its start, and triggers them after its last weight load
-    (load_trigger) where its grid is at most options.load_trigger_grid of the SMs; and at M_PADS[-1], the deep ring
-    with two wgmma in flight where each CTA streams at least options.deep_ring_blocks blocks and the decomposition
-    stays the same. capacity: the GPU's cluster_capacity, needed when options.cluster_fit.
+    (load_trigger) where its grid is at most options.load_trigger_grid of the SMs, or options.exclusive_trigger_grid
+    and its run is not a long one on a half-SM ring; with exclusive_trigger_grid above 0, such a build whose grid fits
+    one CTA per SM takes its SMs alone (exclusive_sm); and at M_PADS[-1], the
+    deep ring with two wgmma in flight where each CTA streams at least options.deep_ring_blocks blocks and the
+    decomposition stays the same. capacity: the GPU's cluster_capacity, needed when options.cluster_fit.
 
     Why not early: with the trigger at CTA start, the next launch's CTAs take the second slot of SMs this launch
     runs on, and cluster placement then piles two CTAs of one launch on many SMs (benchmarks/trace_linear.py on
@@ -656,8 +701,16 @@ def _split_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
                               capacity if options.cluster_fit else ())
     if cluster_k:
         resolved = options._replace(cluster_k=cluster_k, early_trigger=False)
-        small = grid_size(N, K, sm_count, resolved) <= options.load_trigger_grid * sm_count
-        return resolved._replace(load_trigger=options.load_trigger or small)
+        grid = grid_size(N, K, sm_count, resolved)
+        # a long run on a share of the SM keeps the trigger at exit (sweep run 18: 10240x8192 M=32)
+        long_half_ring = resolved.smem_share > 1 and 0 < options.exclusive_max_blocks <= _blocks_per_cta(
+            N, K, sm_count, resolved)
+        exclusive = grid <= options.exclusive_trigger_grid * sm_count and not long_half_ring
+        # with the policy on, every launch that fits one CTA per SM takes its SMs alone: behind a launch that triggers
+        # after its last load, its CTAs would otherwise start two to an SM on the SMs that launch leaves free
+        alone = options.exclusive_sm or (options.exclusive_trigger_grid > 0 and grid <= sm_count)
+        return resolved._replace(load_trigger=options.load_trigger or exclusive or grid <= options.load_trigger_grid *
+                                 sm_count, exclusive_sm=alone)
     return options._replace(cluster_k=0)
 
 
@@ -765,6 +818,8 @@ class WeightStreamingLinear:
             drained_barrier: cute.struct.MemRange[Int64, 1]
 
         self.shared_storage = SharedStorage
+        # exclusive_sm: ask for more than the ring uses, so that no second CTA fits on the SM
+        smem = max(SharedStorage.size_in_bytes(), EXCLUSIVE_SMEM_BYTES) if self.options.exclusive_sm else None
         kernel = self.kernel(
             w_atom, w_coords, x_atom, x_coords, bias, out, partials, arrivals, weight_map, tiled_mma, w_smem, x_smem,
             trace,
@@ -772,10 +827,10 @@ class WeightStreamingLinear:
         if cutlass.const_expr(cluster_k):
             row_tiles = cute.ceil_div(weight.shape[0], TILE_N)
             kernel.launch(grid=[cluster_k, row_tiles, 1], block=[self.options.threads, 1, 1],
-                          cluster=[cluster_k, 1, 1], stream=stream, use_pdl=self.options.pdl)
+                          cluster=[cluster_k, 1, 1], stream=stream, use_pdl=self.options.pdl, smem=smem)
         else:
             kernel.launch(grid=[num_ctas, 1, 1], block=[self.options.threads, 1, 1], stream=stream,
-                          use_pdl=self.options.pdl)
+                          use_pdl=self.options.pdl, smem=smem)
 
     @cute.kernel
     def kernel(
