@@ -3,8 +3,9 @@
     timeout 300 python benchmarks/sweep_linear.py [--csv PATH] [--variant NAME ...] [--in-situ NAME ...] [--ms M ...]
 
 For each variant (the shipped defaults, where cluster and one-CTA-per-tile launches of at most three quarters of the
-SMs trigger the next launch once the TMA warp has issued its last weight load and ask for more than half an SM's
-shared memory, so the next launch's CTAs start only on SMs they leave free: KernelOptions.exclusive_trigger_grid;
+SMs trigger the next launch once the TMA warp has issued its last weight load, but for long runs on the half-SM ring
+(KernelOptions.exclusive_trigger_grid, exclusive_max_blocks), and every such launch that fits one CTA per SM asks for
+more than half an SM's shared memory, so the next launch's CTAs start only on SMs it leaves free;
 "exclusive-trigger": every such launch that fits one CTA per SM does, long runs on a half-SM ring too;
 "half-trigger": the shipped policy before,
 launches of at most half the SMs trigger after their last load and share their SMs (load_trigger_grid=0.5);

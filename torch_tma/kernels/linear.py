@@ -33,8 +33,10 @@ How (160 threads per CTA; KernelOptions.consumer_warpgroups=2, a measured altern
 - Programmatic dependent launch: weight blocks are loaded before griddepcontrol.wait, x and every output
   after it, so the start overlaps the previous kernel when that one lets it. A launch lets the next one start at
   its CTAs' exit, or, where it takes at most three quarters of the SMs (KernelOptions.exclusive_trigger_grid), once
-  each CTA's TMA warp has issued its last weight load; such a launch asks for more than half an SM's shared memory,
-  so the next one's CTAs start on the SMs it leaves free and then on each SM it gives up, never beside its own.
+  each CTA's TMA warp has issued its last weight load (not where a CTA streams a long run on the half-SM ring:
+  KernelOptions.exclusive_max_blocks). Every cluster or one-CTA-per-tile launch that fits one CTA per SM asks for
+  more than half an SM's shared memory, so the next one's CTAs start on the SMs it leaves free and then on each SM
+  it gives up, never two to an SM.
 
 Host path per call: validate (unsupported_reason) -> plan (cached per dtype, m_pad, bias) -> compiled
 kernel (cached, one per static configuration, TVM-FFI) -> launch on the current torch stream.
@@ -163,9 +165,11 @@ class KernelOptions(NamedTuple):
         exclusive_sm. The next launch's CTAs then start on the SMs this one leaves free and on each of its SMs as its
         CTA there exits, never beside it, so none of them shares an SM with another of its own launch (a launch that
         triggers at exit asks for its SMs alone too: behind one that triggers early, it would otherwise put two of
-        its CTAs on some of the free SMs, docs/linear.md). The overlap saves ~1-1.5 us per launch and lengthens the overlapped streams
-        (benchmarks/trace_linear.py); shipped at 0.75: on an H200 launches of up to 96 CTAs gained, 112 and 128 lost,
-        and so did the long half-ring run of 10240x8192 at M=32 (docs/linear.md).
+        its CTAs on some of the free SMs, docs/linear.md). The overlap takes back the gap between launches and the next
+        launch's ramp, and lengthens the overlapped streams (benchmarks/trace_linear.py: net 1.2-1.4 us per call at
+        4096x4096, none at 4096x14336 or 6144x4096 M=1). Shipped at 0.75: on an H200 the launches of up to 96 CTAs
+        gained in the sweeps' geomean (6144x4096 lost 1-4 % at M 1-2), those of 112 and 128 CTAs lost at most M, and
+        so did the long half-ring run of 10240x8192 at M=32 (docs/linear.md).
     exclusive_max_blocks: the bound of exclusive_trigger_grid's exception above, in 64-column weight blocks per CTA
         (0: none). Shipped at 100, deep_ring_blocks' value: the runs long enough for the deep ring at M=64.
     exclusive_sm: the launch asks for more than half an SM's shared memory (EXCLUSIVE_SMEM_BYTES) whatever its ring
@@ -403,7 +407,7 @@ class KernelOptions(NamedTuple):
 # 1.047x against 1.050x. It lost on the launches of 112 and 128 CTAs (14336x4096 M=1-32 by 1.6-3.5 %, 8192x28672
 # M=64 by 5 %), so exclusive_trigger_grid=0.75: up to 99 CTAs on 132 SMs, which takes in the launches
 # load_trigger_grid=0.5 covered. Sweep run 18, trace run 11 and that session's first grid: with it 10240x8192 at M=32
-# (one CTA per row tile, 128 blocks each on the half-SM ring) took 45.4-49.2 us against 42.4-43.4 without, so such long
+# (one CTA per row tile, 128 blocks each on the half-SM ring) took 45.4-49.2 us against 42.4-44.3 without, so such long
 # half-ring runs keep the trigger at exit (exclusive_max_blocks=100). Sweep run 19: 1.107x back to back against 1.067x
 # for the policy before (load_trigger_grid=0.5), 1.044x against 1.046x in situ. In the decode benchmark's graph of the
 # step's linear layers back to back, gate (112 CTAs, trigger at exit) after o (96, trigger after its last load) put
