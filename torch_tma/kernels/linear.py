@@ -709,11 +709,11 @@ def _split_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
         # a long run on a share of the SM keeps the trigger at exit (sweep run 18: 10240x8192 M=32)
         long_half_ring = resolved.smem_share > 1 and 0 < options.exclusive_max_blocks <= _blocks_per_cta(
             N, K, sm_count, resolved)
-        exclusive = grid <= options.exclusive_trigger_grid * sm_count and not long_half_ring
+        after_load = grid <= options.exclusive_trigger_grid * sm_count and not long_half_ring
         # with the policy on, every launch that fits one CTA per SM takes its SMs alone: behind a launch that triggers
         # after its last load, its CTAs would otherwise start two to an SM on the SMs that launch leaves free
         alone = options.exclusive_sm or (options.exclusive_trigger_grid > 0 and grid <= sm_count)
-        return resolved._replace(load_trigger=options.load_trigger or exclusive or grid <= options.load_trigger_grid *
+        return resolved._replace(load_trigger=options.load_trigger or after_load or grid <= options.load_trigger_grid *
                                  sm_count, exclusive_sm=alone)
     return options._replace(cluster_k=0)
 
