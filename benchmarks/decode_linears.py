@@ -18,6 +18,7 @@ Providers: "stock" (F.linear, cuBLAS), then torch_tma.nn.Linear with the shipped
 """
 
 import argparse
+import os
 import statistics
 import sys
 from dataclasses import replace
@@ -30,6 +31,9 @@ from torch_tma import ops
 from torch_tma.decode_demo import LLAMA3_8B, capture_graph
 from torch_tma.kernels import linear
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sweep_linear  # noqa: E402
+
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 # the layers a decode step runs back to back (nothing else between them): per layer q, k, v; and gate, up
 CHAINS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate+up": ("gate_proj", "up_proj")}
@@ -37,19 +41,15 @@ REPLAYS, REPEATS = 5, 7
 
 
 def variants():
-    """name -> KernelOptions for torch_tma's layers; "shipped" is linear.DEFAULT_OPTIONS."""
-    shipped = linear.DEFAULT_OPTIONS
-    return {
-        "shipped": shipped,
-        # launches of at most half the SMs trigger the next launch once the TMA warp has issued its last weight load
-        # and share their SMs with it (KernelOptions.load_trigger_grid; the shipped policy until sweep run 17)
-        "half-trigger": shipped._replace(exclusive_trigger_grid=0.0, load_trigger_grid=0.5),
-        # every cluster and one-CTA-per-tile build does; "trigger-3q": those of at most three quarters of the SMs;
-        # "no-trigger": at exit everywhere, the default before
-        "load-trigger": shipped._replace(exclusive_trigger_grid=0.0, load_trigger=True),
-        "no-trigger": shipped._replace(exclusive_trigger_grid=0.0),
-        "trigger-3q": shipped._replace(exclusive_trigger_grid=0.0, load_trigger_grid=0.75),
-    }
+    """name -> KernelOptions for torch_tma's layers: sweep_linear's "shipped" (linear.DEFAULT_OPTIONS) and its trigger
+    variants ("half-trigger": launches of at most half the SMs trigger the next launch once the TMA warp has issued
+    its last weight load and share their SMs, the policy shipped until sweep run 17; "load-trigger": every cluster and
+    one-CTA-per-tile build does; "no-trigger": at exit everywhere, the default before), and "trigger-3q": those of at
+    most three quarters of the SMs, sharing their SMs."""
+    table = sweep_linear.variants(linear)
+    chosen = {name: table[name] for name in ("shipped", "half-trigger", "load-trigger", "no-trigger")}
+    chosen["trigger-3q"] = table["no-trigger"]._replace(load_trigger_grid=0.75)
+    return chosen
 
 
 def build_layers(config, device, dtype):

@@ -411,34 +411,38 @@ def test_late_first_cta_build_spins_before_the_handshake(m_pad, cluster_k, tmp_p
         linear.DEFAULT_OPTIONS._replace(late_first_cta_ns=1000).check()  # no cluster: nothing to be late for
 
 
+# An H200's (SM count, cluster_capacity): what options_for and crossover_m are given for that GPU.
+H200 = (132, (132, 66, 39, 30, 22, 17, 15, 15))
+
+
+def _resolved_trigger(options, n, k, m=1):
+    """(load_trigger, exclusive_sm, CTAs) of options resolved for an n x k weight at M=m on an H200."""
+    o = linear.options_for(options, n, k, m, *H200)
+    return o.load_trigger, o.exclusive_sm, linear.grid_size(n, k, H200[0], o)
+
+
 def test_crossover_by_weight_size_and_launch():
     """The op's cuBLAS crossover: M=16 under 16 MB of weight, M=32 from there on (CROSSOVER_M), both dtypes; and on a
     GPU (an H200's SM count and cluster capacity) M=64 from 64 MB where the M=64 launch is a cluster-split or
     one-CTA-per-tile build on at least 70 % of the SMs."""
-    h200 = (132, (132, 66, 39, 30, 22, 17, 15, 15))
     for dtype in (torch.bfloat16, torch.float16):
         assert linear.crossover_m(1024, 4096, dtype) == 16  # 8 MB: Llama-3-8B's k/v projections
         assert linear.crossover_m(2048, 4096, dtype) == 32  # exactly 16 MB
         assert linear.crossover_m(4096, 4096, dtype) == 32
         assert linear.crossover_m(57344, 8192, dtype) == 32
-        assert linear.crossover_m(1024, 4096, dtype, *h200) == 16
-        assert linear.crossover_m(4096, 4096, dtype, *h200) == 32  # 96 CTAs, but 32 MB
+        assert linear.crossover_m(1024, 4096, dtype, *H200) == 16
+        assert linear.crossover_m(4096, 4096, dtype, *H200) == 32  # 96 CTAs, but 32 MB
         for n, k in ((14336, 4096), (4096, 14336), (28672, 4096), (8192, 28672)):  # 112, 96, 224, 128 CTAs
-            assert linear.crossover_m(n, k, dtype, *h200) == 64, (n, k)
-        assert linear.crossover_m(10240, 8192, dtype, *h200) == 32  # 80 CTAs
-        assert linear.crossover_m(57344, 8192, dtype, *h200) == 32  # stream-K
+            assert linear.crossover_m(n, k, dtype, *H200) == 64, (n, k)
+        assert linear.crossover_m(10240, 8192, dtype, *H200) == 32  # 80 CTAs
+        assert linear.crossover_m(57344, 8192, dtype, *H200) == 32  # stream-K
         assert linear.crossover_m(4096, 14336, dtype, 264, (264, 132, 78, 60, 44, 34, 30, 30)) == 32  # 96 CTAs of 264
 
 
 def test_load_trigger_policy():
     """options_for turns load_trigger on for cluster-split launches of at most load_trigger_grid of the SMs, never for
     stream-K (which triggers at start). The shipped options leave it to exclusive_trigger_grid (the next test)."""
-    capacity = (132, 66, 39, 30, 22, 17, 15, 15)  # an H200's (cluster_capacity)
-
-    def resolved(options, n, k, m=1):
-        o = linear.options_for(options, n, k, m, 132, capacity)
-        return o.load_trigger, o.exclusive_sm, linear.grid_size(n, k, 132, o)
-
+    resolved = _resolved_trigger
     half = linear.DEFAULT_OPTIONS._replace(exclusive_trigger_grid=0.0, load_trigger_grid=0.5)  # shipped until run 17
     assert linear.DEFAULT_OPTIONS.load_trigger_grid == 0.0 and not linear.DEFAULT_OPTIONS.load_trigger
     assert resolved(half, 1024, 4096) == (True, False, 64)
@@ -447,7 +451,7 @@ def test_load_trigger_policy():
     assert resolved(half, 14336, 4096) == (False, False, 112)
     assert resolved(half._replace(load_trigger_grid=0.75), 4096, 4096) == (True, False, 96)
     assert resolved(half._replace(load_trigger_grid=0.0), 1024, 4096) == (False, False, 64)
-    stream_k = linear.options_for(half, 57344, 8192, 1, 132, capacity)
+    stream_k = linear.options_for(half, 57344, 8192, 1, *H200)
     assert stream_k.cluster_k == 0 and stream_k.early_trigger and not stream_k.load_trigger
     with pytest.raises(ValueError, match="load_trigger_grid"):
         half._replace(load_trigger_grid=1.5).check()
@@ -458,12 +462,8 @@ def test_exclusive_trigger_policy():
     share of the SMs the trigger after its last load: on an H200 the launches of 96 CTAs and fewer, not those of 112 or
     128, and not a half-SM ring's run of exclusive_max_blocks or more. Every such launch that fits one CTA per SM takes
     its SMs alone (exclusive_sm), whatever its trigger; a launch of more CTAs than SMs and stream-K never."""
-    capacity = (132, 66, 39, 30, 22, 17, 15, 15)  # an H200's (cluster_capacity)
+    resolved = _resolved_trigger
     shipped, everywhere = linear.DEFAULT_OPTIONS, linear.DEFAULT_OPTIONS._replace(exclusive_trigger_grid=1.0)
-
-    def resolved(options, n, k, m=1):
-        o = linear.options_for(options, n, k, m, 132, capacity)
-        return o.load_trigger, o.exclusive_sm, linear.grid_size(n, k, 132, o)
 
     assert shipped.exclusive_trigger_grid == 0.75 and shipped.exclusive_max_blocks == 100
     for n, k, m, ctas in ((4096, 4096, 1, 96), (4096, 4096, 64, 96), (6144, 4096, 16, 96), (4096, 14336, 32, 96),
@@ -482,7 +482,7 @@ def test_exclusive_trigger_policy():
     assert resolved(shipped._replace(exclusive_trigger_grid=0.0), 14336, 4096) == (False, False, 112)
     for options in (shipped, everywhere):
         assert resolved(options, 28672, 4096) == (False, False, 224)  # 224 row tiles: two CTAs per SM
-        stream_k = linear.options_for(options, 57344, 8192, 1, 132, capacity)
+        stream_k = linear.options_for(options, 57344, 8192, 1, *H200)
         assert stream_k.cluster_k == 0 and stream_k.early_trigger and not stream_k.exclusive_sm
 
 
@@ -491,8 +491,7 @@ def test_exclusive_sm_asks_for_more_than_half_the_sm():
     needs, so that two of its CTAs and the driver's share per CTA overflow one SM; the same build without it asks
     for what its storage uses."""
     assert 2 * (linear.EXCLUSIVE_SMEM_BYTES + linear.SMEM_PER_CTA_SYSTEM) > linear.SMEM_PER_SM
-    capacity = (132, 66, 39, 30, 22, 17, 15, 15)
-    options = linear.options_for(linear.DEFAULT_OPTIONS, 4096, 4096, 1, 132, capacity)
+    options = linear.options_for(linear.DEFAULT_OPTIONS, 4096, 4096, 1, *H200)
     assert options.exclusive_sm and options.smem_slots == 2
     ring = linear.pipeline_stages(8, 2, options.cluster_k) * (linear.TILE_N + 8) * linear.TILE_K * 2
     assert ring + linear.SMEM_RESERVED < linear.EXCLUSIVE_SMEM_BYTES
@@ -508,14 +507,13 @@ def test_deep_ring_policy(tmp_path):
     whole SM's shared memory and two wgmma in flight, where that keeps cluster_k and the grid: on an H200 10240x8192
     (one CTA per row tile, 128 blocks), 8192x28672 (2 CTAs per tile, 224) and 57344x8192 (stream-K, 434); not
     4096x14336 (74 blocks) or 28672x4096 (64, and the full ring would make it stream-K); never below M=33."""
-    h200 = (132, (132, 66, 39, 30, 22, 17, 15, 15))
     shipped = linear.DEFAULT_OPTIONS
     assert shipped.deep_ring_blocks == 100 and shipped.smem_share == 2 and shipped.wgmma_in_flight == 1
     deep = set()
     for n, k in BENCH_SHAPES + [(1024, 4096), (14336, 4096)]:
         for m in (1, 16, 32, 33, 64):
-            o = linear.options_for(shipped, n, k, m, *h200)
-            plain = linear.options_for(shipped._replace(deep_ring_blocks=0), n, k, m, *h200)
+            o = linear.options_for(shipped, n, k, m, *H200)
+            plain = linear.options_for(shipped._replace(deep_ring_blocks=0), n, k, m, *H200)
             if (o.smem_share, o.wgmma_in_flight) == (1, 2):
                 deep.add((n, k, m))
                 assert (o.cluster_k, linear.grid_size(n, k, 132, o)) == (plain.cluster_k,
@@ -524,13 +522,13 @@ def test_deep_ring_policy(tmp_path):
             else:
                 assert o == plain._replace(deep_ring_blocks=shipped.deep_ring_blocks), (n, k, m)
     assert deep == {(n, k, m) for n, k in ((10240, 8192), (8192, 28672), (57344, 8192)) for m in (33, 64)}, deep
-    assert linear._blocks_per_cta(28672, 4096, 132, linear.options_for(shipped, 28672, 4096, 64, *h200)) == 64
-    assert linear.options_for(shipped._replace(deep_ring_blocks=64), 28672, 4096, 64, *h200).smem_share == 2
-    assert linear.options_for(shipped._replace(deep_ring_blocks=64), 14336, 4096, 64, *h200).smem_share == 1
+    assert linear._blocks_per_cta(28672, 4096, 132, linear.options_for(shipped, 28672, 4096, 64, *H200)) == 64
+    assert linear.options_for(shipped._replace(deep_ring_blocks=64), 28672, 4096, 64, *H200).smem_share == 2
+    assert linear.options_for(shipped._replace(deep_ring_blocks=64), 14336, 4096, 64, *H200).smem_share == 1
     with pytest.raises(ValueError, match="deep_ring_blocks"):
         shipped._replace(deep_ring_blocks=-1).check()
     # the deep builds compile, and their ring fills the SM
-    o = linear.options_for(shipped, 8192, 28672, 64, *h200)
+    o = linear.options_for(shipped, 8192, 28672, 64, *H200)
     ptx, _ = _ptx_and_cubin(torch.bfloat16, 64, False, tmp_path, o)
     assert sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d)", ptx))) == ["0", "1"]
     assert linear.pipeline_stages(64, o.smem_slots, o.cluster_k) == 9
