@@ -3,16 +3,18 @@
     timeout 300 python benchmarks/sweep_linear.py [--csv PATH] [--variant NAME ...] [--in-situ NAME ...] [--ms M ...]
 
 For each variant (the shipped defaults, where cluster and one-CTA-per-tile launches of at most three quarters of the
-SMs trigger the next launch once the TMA warp has issued its last weight load, but for long runs on the half-SM ring
+SMs trigger the next launch once the TMA warp has issued its last weight load (at M <= 16 three loads before it,
+KernelOptions.trigger_lead), but for long runs on the half-SM ring
 (KernelOptions.exclusive_trigger_grid, exclusive_max_blocks), and every such launch that fits one CTA per SM asks for
 more than half an SM's shared memory, so the next launch's CTAs start only on SMs it leaves free;
 "exclusive-trigger": every such launch that fits one CTA per SM does, long runs on a half-SM ring too;
 "half-trigger": the shipped policy before,
 launches of at most half the SMs trigger after their last load and share their SMs (load_trigger_grid=0.5);
 "load-trigger": every cluster and one-CTA-per-tile build triggers that way and shares its SMs; "no-trigger": none
-triggers before exit; "x-evict-last": x loads marked
-evict-last in L2; "full-ring": the whole SM's shared memory for the ring; "full-ring-wgmma2": that and a second
-stage's wgmma in flight (at every M; shipped only for M=64 runs of 100 blocks or more,
+triggers before exit; "no-lead": those that trigger after their last load do so right after it at every M (shipped:
+3 loads before it at M <= 16, KernelOptions.trigger_lead); "lead-8": 8 loads before it at M <= 16; "half-grid": at
+most 2 CTAs per row tile (cluster_max_k=2); "x-evict-last": x loads marked evict-last in L2; "full-ring": the whole
+SM's shared memory for the ring; "full-ring-wgmma2": that and a second stage's wgmma in flight (at every M; shipped only for M=64 runs of 100 blocks or more,
 KernelOptions.deep_ring_blocks); "no-deep-ring": none of them; "two-wg": two consumer warpgroups of 64 weight rows
 each; "two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier runs also swept the weight
 loaded without the L2 evict-first hint, the release form of the cluster barrier's entry arrive, the descriptor
@@ -68,10 +70,16 @@ def variants(linear):
         # every one that fits one CTA per SM triggers after its last load and is alone on its SMs
         "exclusive-trigger": shipped._replace(exclusive_trigger_grid=1.0, exclusive_max_blocks=0),
         # launches of at most half the SMs trigger after their last load, sharing their SMs (shipped until run 17)
-        "half-trigger": shipped._replace(exclusive_trigger_grid=0.0, load_trigger_grid=0.5),
+        "half-trigger": shipped._replace(exclusive_trigger_grid=0.0, load_trigger_grid=0.5, trigger_lead=0),
         # every cluster and one-CTA-per-tile build triggers the next launch after its last weight load, not at exit
-        "load-trigger": shipped._replace(exclusive_trigger_grid=0.0, load_trigger=True),
+        "load-trigger": shipped._replace(exclusive_trigger_grid=0.0, load_trigger=True, trigger_lead=0),
         "no-trigger": shipped._replace(exclusive_trigger_grid=0.0),  # every one triggers at exit
+        # the launches that trigger after their last load do so after it (not 3 loads before it) at every M, or 8
+        # loads before it at M <= 16 (run 21's "lead-3" and "lead-8" led at every M; "lead-3" is shipped for M <= 16)
+        "no-lead": shipped._replace(trigger_lead=0),
+        "lead-8": shipped._replace(trigger_lead=8),
+        # at most 2 CTAs per row tile: 4096x4096 on 64 SMs, so two launches in a row fit beside each other
+        "half-grid": shipped._replace(cluster_max_k=2),
         "x-evict-last": shipped._replace(x_eviction="last"),  # x loads marked evict-last in L2
         "full-ring": shipped._replace(smem_share=1),  # the whole SM's shared memory for the ring
         # ... and a second stage's wgmma in flight, which the half-SM ring could not afford (run 5)

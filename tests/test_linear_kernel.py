@@ -172,7 +172,8 @@ def test_no_predicated_r2ur(m_pad, tmp_path):
 
 @pytest.mark.parametrize("options", OPTION_VARIANTS, ids=OPTION_IDS)
 def test_kernel_options_compile(options, tmp_path):
-    """Each option reaches the code: the fence scope, griddepcontrol (one trigger; waits only with pdl),
+    """Each option reaches the code: the fence scope, griddepcontrol (one trigger, a second in the load loop for
+    trigger_lead; waits only with pdl),
     weight loads through the fenced descriptor (twice as many load sites with weight_before_wait), and no
     predicated R2UR in the extra load loop."""
     ptx, cubin = _ptx_and_cubin(torch.bfloat16, 16, True, tmp_path, options)
@@ -180,8 +181,9 @@ def test_kernel_options_compile(options, tmp_path):
     loads = TMA_LOAD_DESCRIPTOR.findall(ptx)
     sites = 4 if options.weight_before_wait else 2
     assert len(loads) == sites and loads.count(fenced) == sites // 2, (fenced, loads)
+    lead = options.pdl and options.load_trigger and not options.early_trigger and options.trigger_lead > 0
     assert ptx.count("griddepcontrol.launch_dependents;") == int(options.pdl and (options.early_trigger
-                                                                                  or options.load_trigger))
+                                                                                  or options.load_trigger)) + lead
     assert (ptx.count("griddepcontrol.wait;") > 0) == options.pdl
     nvdisasm = _nvdisasm()
     if nvdisasm is not None:
@@ -248,6 +250,10 @@ def test_kernel_options_check():
         linear.DEFAULT_OPTIONS._replace(exclusive_trigger_grid=1.5).check()
     with pytest.raises(ValueError, match="exclusive_max_blocks"):
         linear.DEFAULT_OPTIONS._replace(exclusive_max_blocks=-1).check()
+    with pytest.raises(ValueError, match="trigger_lead"):
+        linear.DEFAULT_OPTIONS._replace(trigger_lead=-1).check()
+    with pytest.raises(ValueError, match="trigger_lead_max_m_pad"):
+        linear.DEFAULT_OPTIONS._replace(trigger_lead_max_m_pad=12).check()
     with pytest.raises(ValueError, match="weight_eviction"):
         linear.KernelOptions(weight_eviction="last").check()
     with pytest.raises(ValueError, match="x_eviction"):
@@ -484,6 +490,23 @@ def test_exclusive_trigger_policy():
         assert resolved(options, 28672, 4096) == (False, False, 224)  # 224 row tiles: two CTAs per SM
         stream_k = linear.options_for(options, 57344, 8192, 1, *H200)
         assert stream_k.cluster_k == 0 and stream_k.early_trigger and not stream_k.exclusive_sm
+
+
+def test_trigger_lead_policy():
+    """options_for keeps trigger_lead (shipped: 3 loads before the last) on launches that trigger after their last load
+    at M <= 16 (trigger_lead_max_m_pad) and sets it to 0 everywhere else, so the other builds stay one each."""
+    shipped = linear.DEFAULT_OPTIONS
+    assert shipped.trigger_lead == 3 and shipped.trigger_lead_max_m_pad == 16
+
+    def lead(options, n, k, m):
+        return linear.options_for(options, n, k, m, *H200).trigger_lead
+
+    for n, k in ((1024, 4096), (4096, 4096), (6144, 4096), (4096, 14336)):  # they trigger after their last load
+        assert [lead(shipped, n, k, m) for m in (1, 9, 16, 17, 32, 64)] == [3, 3, 3, 0, 0, 0], (n, k)
+    assert [lead(shipped, 10240, 8192, m) for m in (1, 16, 64)] == [0, 0, 0]  # at exit, or after the load at M=64
+    assert lead(shipped, 14336, 4096, 1) == 0 and lead(shipped, 57344, 8192, 1) == 0  # at exit; stream-K
+    assert lead(shipped._replace(trigger_lead_max_m_pad=64), 4096, 4096, 64) == 3
+    assert lead(shipped._replace(trigger_lead=0), 4096, 4096, 1) == 0
 
 
 def test_exclusive_sm_asks_for_more_than_half_the_sm():

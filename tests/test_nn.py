@@ -417,3 +417,13 @@ def test_decode_demo_without_hopper_says_so_and_fails(tmp_path, capsys):
         (p, b) for p in ("stock", "torch_tma") for b in (1, 3)
     }
     assert (tmp_path / "decode.png").stat().st_size > 0
+    # --plot redraws the PNG from the CSV alone, from the same medians
+    results, device_name, _ = decode_demo.results_from_csv(tmp_path / "decode.csv")
+    assert device_name.startswith("CPU") and {(r.provider, r.batch) for r in results} == {
+        (p, b) for p in ("stock", "torch_tma") for b in (1, 3)}
+    tokens = {(r["provider"], int(r["batch"])): float(r["p50"]) for r in rows if r["metric"] == "tokens_per_s"}
+    for r in results:
+        assert r.tokens_per_s == pytest.approx(tokens[r.provider, r.batch], rel=1e-4)
+    (tmp_path / "decode.png").unlink()
+    assert decode_demo.main(["--plot", str(tmp_path / "decode.csv")]) == 0
+    assert (tmp_path / "decode.png").stat().st_size > 0

@@ -16,6 +16,7 @@ Writes a long-format CSV and a PNG plot and prints a table. Without a Hopper GPU
 model on the CPU for a few steps to show the wiring, and exits non-zero: nothing it prints is a measurement.
 
     python -m torch_tma decode [--layers 32] [--batch 1 4 16] [--out DIR]
+    python -m torch_tma decode --plot DIR/decode.csv    # only redraw the PNG beside a CSV (any machine)
 """
 
 import argparse
@@ -457,6 +458,22 @@ def format_table(results, checks, agreement, new_tokens) -> str:
     return "\n".join(lines)
 
 
+def results_from_csv(path):
+    """(Results, device, torch version) read back from a decode.csv (write_csv): each Result holds its batch's median
+    step and linear times, which is what plot and format_table read."""
+    with open(path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["benchmark"] == "decode"]
+    if not rows:
+        raise ValueError(f"{path}: no decode rows (is it a decode.csv written by python -m torch_tma decode?)")
+    medians = {(r["provider"], int(r["batch"]), r["metric"]): float(r["p50"]) for r in rows}
+    results = []
+    for provider, batch in dict.fromkeys((r["provider"], int(r["batch"])) for r in rows):
+        linear_ms = medians[provider, batch, "linear_ms_per_step"]
+        linear_bytes = round(medians[provider, batch, "linear_weight_bandwidth"] * 1e6 * linear_ms)
+        results.append(Result(provider, batch, [medians[provider, batch, "ms_per_step"]], [linear_ms], linear_bytes))
+    return results, rows[0]["device"], rows[0]["torch"]
+
+
 def plot(path, results, title) -> None:
     import matplotlib
 
@@ -496,12 +513,20 @@ def _parse(argv):
     p.add_argument("--check-steps", type=int, default=8, help="teacher-forced steps compared with the reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="decode_results", help="folder for decode.csv and decode.png")
+    p.add_argument("--plot", metavar="CSV", help="only redraw the PNG beside an existing decode CSV (any machine)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     """Run the demo; returns the exit status (0 only for a measured run on a Hopper GPU that passed its checks)."""
     args = _parse(argv)
+    if args.plot:
+        results, device_name, torch_version = results_from_csv(args.plot)
+        png_path = os.path.splitext(args.plot)[0] + ".png"
+        plot(png_path, results, f"greedy decode, Llama-3-8B-shaped model: {device_name}, torch {torch_version} "
+                                f"(redrawn from {os.path.basename(args.plot)})")
+        print(f"wrote {png_path}")
+        return 0
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
     if hopper:
         device, dtype, ref_dtype = torch.device("cuda"), torch.bfloat16, torch.float32

@@ -34,7 +34,8 @@ How (160 threads per CTA; KernelOptions.consumer_warpgroups=2, a measured altern
   after it, so the start overlaps the previous kernel when that one lets it. A launch lets the next one start at
   its CTAs' exit, or, where it takes at most three quarters of the SMs (KernelOptions.exclusive_trigger_grid), once
   each CTA's TMA warp has issued its last weight load (not where a CTA streams a long run on the half-SM ring:
-  KernelOptions.exclusive_max_blocks). Every cluster or one-CTA-per-tile launch that fits one CTA per SM asks for
+  KernelOptions.exclusive_max_blocks); at M <= 16 three loads before the last (KernelOptions.trigger_lead).
+  Every cluster or one-CTA-per-tile launch that fits one CTA per SM asks for
   more than half an SM's shared memory, so the next one's CTAs start on the SMs it leaves free and then on each SM
   it gives up, never two to an SM.
 
@@ -170,6 +171,14 @@ class KernelOptions(NamedTuple):
         4096x4096, none at 4096x14336 or 6144x4096 M=1). Shipped at 0.75: on an H200 the launches of up to 96 CTAs
         gained in the sweeps' geomean (6144x4096 lost 1-4 % at M 1-2), those of 112 and 128 CTAs lost at most M, and
         so did the long half-ring run of 10240x8192 at M=32 (docs/linear.md).
+    trigger_lead: with load_trigger, the TMA warp triggers the dependent launch once it has issued the load trigger_lead
+        blocks before its run's last one (0: after the last; a run whose ring-filling loads, issued before
+        griddepcontrol.wait, reach that point triggers after its last load). The next launch's CTAs start earlier on the
+        free SMs and load their weight beside this launch's last stages. options_for() keeps it only where load_trigger
+        is on and M pads to at most trigger_lead_max_m_pad (0 elsewhere). Shipped at 3 for M <= 16: sweep run 21
+        (docs/linear.md), back to back, 4096x4096 M=1 took 8.94 against 9.56 us and 6144x4096 M=1 13.62 against
+        14.49 us; at M 32-64 it lost (6144x4096 M=32 14.85 against 14.68 us).
+    trigger_lead_max_m_pad: the bound of trigger_lead's policy above, one of M_PADS.
     exclusive_max_blocks: the bound of exclusive_trigger_grid's exception above, in 64-column weight blocks per CTA
         (0: none). Shipped at 100, deep_ring_blocks' value: the runs long enough for the deep ring at M=64.
     exclusive_sm: the launch asks for more than half an SM's shared memory (EXCLUSIVE_SMEM_BYTES) whatever its ring
@@ -250,6 +259,8 @@ class KernelOptions(NamedTuple):
     load_trigger_grid: float = 0.0
     exclusive_trigger_grid: float = 0.0
     exclusive_max_blocks: int = 0
+    trigger_lead: int = 0
+    trigger_lead_max_m_pad: int = M_PADS[-1]
     exclusive_sm: bool = False
     cluster_split: int = 0
     cluster_k: int = 0
@@ -321,6 +332,9 @@ class KernelOptions(NamedTuple):
             raise ValueError(f"KernelOptions.weight_eviction must be 'normal' or 'first', got {self.weight_eviction!r}")
         if self.x_eviction not in ("normal", "last"):
             raise ValueError(f"KernelOptions.x_eviction must be 'normal' or 'last', got {self.x_eviction!r}")
+        if self.trigger_lead < 0 or self.trigger_lead_max_m_pad not in M_PADS:
+            raise ValueError(f"KernelOptions.trigger_lead must be >= 0 and trigger_lead_max_m_pad one of {M_PADS}, got "
+                             f"{self.trigger_lead!r}, {self.trigger_lead_max_m_pad!r}")
         if self.exclusive_max_blocks < 0:
             raise ValueError(f"KernelOptions.exclusive_max_blocks must be >= 0, got {self.exclusive_max_blocks!r}")
         if self.deep_ring_blocks < 0:
@@ -413,10 +427,14 @@ class KernelOptions(NamedTuple):
 # step's linear layers back to back, gate (112 CTAs, trigger at exit) after o (96, trigger after its last load) put
 # two CTAs on some of the SMs o left free (4.430 against 4.175 ms per step); with every one-wave launch asking for its
 # SMs alone (exclusive_sm wherever the policy is on), 4.135 ms, and the step 1.114x over stock (docs/linear.md).
+# Sweep run 20 repeated run 19 on that final policy: 1.107x against 1.068x back to back, 1.045x against 1.046x in situ.
+# Sweep runs 21 and 22 (docs/results/sweep-linear-h200-run{21,22}.*): those launches triggering 3 loads before their last
+# (trigger_lead) at M <= 16 took 4096x4096 M=1 from 9.32 to 8.76 us and 6144x4096 M=1 from 14.39 to 13.59 (run 22),
+# geomean 1.155x against 1.142x over M 1-32 back to back, in situ the same 1.074x; at M=32-64 the lead lost (run 21).
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                                 cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
                                 weight_eviction="first", exclusive_trigger_grid=0.75, exclusive_max_blocks=100,
-                                deep_ring_blocks=100)
+                                deep_ring_blocks=100, trigger_lead=3, trigger_lead_max_m_pad=16)
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -673,7 +691,8 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
     """options resolved for one problem shape: cluster_k set from the cluster_split policy (cluster_k_for); a
     cluster-split build never triggers its dependents at its start, and triggers them after its last weight load
     (load_trigger) where its grid is at most options.load_trigger_grid of the SMs, or options.exclusive_trigger_grid
-    and its run is not a long one on a half-SM ring; with exclusive_trigger_grid above 0, such a build whose grid fits
+    and its run is not a long one on a half-SM ring, trigger_lead loads before the last where M pads to at most
+    trigger_lead_max_m_pad; with exclusive_trigger_grid above 0, such a build whose grid fits
     one CTA per SM takes its SMs alone (exclusive_sm); and at M_PADS[-1], the
     deep ring with two wgmma in flight where each CTA streams at least options.deep_ring_blocks blocks and the
     decomposition stays the same. capacity: the GPU's cluster_capacity, needed when options.cluster_fit.
@@ -688,7 +707,9 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
             _blocks_per_cta(N, K, sm_count, resolved) >= options.deep_ring_blocks):
         deep = _split_for(options._replace(smem_share=1, wgmma_in_flight=2), N, K, M, sm_count, capacity)
         if deep.cluster_k == resolved.cluster_k:  # with ctas_per_sm unchanged, the same grid (grid_size)
-            return deep
+            resolved = deep
+    if not resolved.load_trigger or m_pad(M) > options.trigger_lead_max_m_pad:
+        resolved = resolved._replace(trigger_lead=0)  # one build where the lead cannot apply
     return resolved
 
 
@@ -1002,7 +1023,9 @@ class WeightStreamingLinear:
         if cutlass.const_expr(self.options.trace and not self.options.weight_before_wait):
             if tidx == self.options.producer_warp * 32:
                 trace[cta, 4] = cute.arch.clock64()
-        for _ in cutlass.range(first, run_end, unroll=1):
+        lead_trigger = self.options.pdl and self.options.load_trigger and self.options.trigger_lead > 0
+        trigger_at = run_end - 1 - self.options.trigger_lead
+        for i in cutlass.range(first, run_end, unroll=1):
             w_smem_dst, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
             x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, col, self.m_pad)
             loads.producer_acquire(state)  # waits for the slot, then expects stage_bytes on its barrier
@@ -1018,8 +1041,12 @@ class WeightStreamingLinear:
             if col == k_blocks * TILE_K:
                 col = 0
                 row = row + TILE_N
+            if cutlass.const_expr(lead_trigger and not self.options.early_trigger):
+                if i == trigger_at:
+                    cute.arch.griddepcontrol_launch_dependents()  # trigger_lead loads before the last
         if cutlass.const_expr(self.options.pdl and self.options.load_trigger and not self.options.early_trigger):
-            cute.arch.griddepcontrol_launch_dependents()  # every weight load of this CTA is issued
+            # every weight load of this CTA is issued (a no-op where the trigger_lead one went out: once per CTA)
+            cute.arch.griddepcontrol_launch_dependents()
         loads.producer_tail(state)
 
     @staticmethod
