@@ -46,10 +46,10 @@ def variants():
     its last weight load and share their SMs, the policy shipped until sweep run 17; "load-trigger": every cluster and
     one-CTA-per-tile build does; "no-trigger": at exit everywhere, the default before; "no-lead": the shipped policy
     with the trigger right after the last load at every M), and "trigger-3q": those of at most three quarters of the
-    SMs, sharing their SMs."""
+    SMs, right after their last load, sharing their SMs."""
     table = sweep_linear.variants(linear)
     chosen = {name: table[name] for name in ("shipped", "half-trigger", "load-trigger", "no-trigger", "no-lead")}
-    chosen["trigger-3q"] = table["no-trigger"]._replace(load_trigger_grid=0.75)
+    chosen["trigger-3q"] = table["no-trigger"]._replace(load_trigger_grid=0.75, trigger_lead=0)
     return chosen
 
 

@@ -1023,7 +1023,8 @@ class WeightStreamingLinear:
         if cutlass.const_expr(self.options.trace and not self.options.weight_before_wait):
             if tidx == self.options.producer_warp * 32:
                 trace[cta, 4] = cute.arch.clock64()
-        lead_trigger = self.options.pdl and self.options.load_trigger and self.options.trigger_lead > 0
+        # the trigger after the last weight load (load_trigger), and trigger_lead loads before it
+        after_load = self.options.pdl and self.options.load_trigger and not self.options.early_trigger
         trigger_at = run_end - 1 - self.options.trigger_lead
         for i in cutlass.range(first, run_end, unroll=1):
             w_smem_dst, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
@@ -1041,10 +1042,10 @@ class WeightStreamingLinear:
             if col == k_blocks * TILE_K:
                 col = 0
                 row = row + TILE_N
-            if cutlass.const_expr(lead_trigger and not self.options.early_trigger):
+            if cutlass.const_expr(after_load and self.options.trigger_lead > 0):
                 if i == trigger_at:
                     cute.arch.griddepcontrol_launch_dependents()  # trigger_lead loads before the last
-        if cutlass.const_expr(self.options.pdl and self.options.load_trigger and not self.options.early_trigger):
+        if cutlass.const_expr(after_load):
             # every weight load of this CTA is issued (a no-op where the trigger_lead one went out: once per CTA)
             cute.arch.griddepcontrol_launch_dependents()
         loads.producer_tail(state)
