@@ -1,6 +1,9 @@
 """Sweep of the linear kernel's static options (torch_tma.kernels.linear.KernelOptions) on the H200.
 
     timeout 300 python benchmarks/sweep_linear.py [--csv PATH] [--variant NAME ...] [--in-situ NAME ...] [--ms M ...]
+        [--shapes NxK ...]
+
+(--variant and --in-situ repeat: --variant shipped --variant landed.)
 
 For each variant (the shipped defaults, where cluster and one-CTA-per-tile launches of at most three quarters of the
 SMs trigger the next launch once the TMA warp has issued its last weight load (at M <= 16 three loads before it,
@@ -12,7 +15,11 @@ more than half an SM's shared memory, so the next launch's CTAs start only on SM
 launches of at most half the SMs trigger after their last load and share their SMs (load_trigger_grid=0.5);
 "load-trigger": every cluster and one-CTA-per-tile build triggers that way and shares its SMs; "no-trigger": none
 triggers before exit; "no-lead": those that trigger after their last load do so right after it at every M (shipped:
-3 loads before it at M <= 16, KernelOptions.trigger_lead); "lead-8": 8 loads before it at M <= 16; "half-grid": at
+3 loads before it at M <= 16, KernelOptions.trigger_lead); "lead-8" and "lead-5": 8 and 5 loads before it at M <= 16;
+"landed": the MMA warps trigger once the block the lead points at has landed (KernelOptions.trigger_point);
+"deep-pre4": the whole SM's ring with two wgmma in flight at every shape, at most 4 weight blocks requested before
+griddepcontrol.wait (KernelOptions.pre_wait_blocks); "reduce-cta0": the cluster split reducing on CTA 0, as shipped
+before sweep run 24 (shipped now: every CTA sums and stores a share, KernelOptions.cluster_scatter); "half-grid": at
 most 2 CTAs per row tile (cluster_max_k=2); "x-evict-last": x loads marked evict-last in L2; "full-ring": the whole
 SM's shared memory for the ring; "full-ring-wgmma2": that and a second stage's wgmma in flight (at every M; shipped only for M=64 runs of 100 blocks or more,
 KernelOptions.deep_ring_blocks); "no-deep-ring": none of them; "two-wg": two consumer warpgroups of 64 weight rows
@@ -22,7 +29,7 @@ prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, str
 at once, the cluster split's bounds, a second wgmma in flight on the half-SM ring, PDL, the descriptor fence scope,
 shares of the shared memory and two CTAs per SM: see docs/linear.md; every variant is built from the current
 DEFAULT_OPTIONS, so at M 33-64 on long runs "full-ring", "x-evict-last" and "two-wg" now get the deep ring too),
-each shape N x K in SHAPES and M in MS (or --ms) (bf16, no bias): first validate the variant's output against the
+each shape N x K in SHAPES (or --shapes) and M in MS (or --ms) (bf16, no bias): first validate the variant's output against the
 float64 reference (|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|, output poisoned with NaN before the
 launch), then time it as CUDA events around replays of one CUDA graph of back-to-back calls, each on the next of
 several weight copies (together ~7x the 60 MB L2). cuBLAS (F.linear) is timed the same way in the same run. Variants
@@ -78,6 +85,16 @@ def variants(linear):
         # loads before it at M <= 16 (run 21's "lead-3" and "lead-8" led at every M; "lead-3" is shipped for M <= 16)
         "no-lead": shipped._replace(trigger_lead=0),
         "lead-8": shipped._replace(trigger_lead=8),
+        "lead-5": shipped._replace(trigger_lead=5),
+        # the MMA warps trigger once the run's last block has landed (M <= 16: the block 3 before it), not the TMA warp
+        # as it issues the last load
+        "landed": shipped._replace(trigger_point="landed"),
+        # the whole SM's ring with two wgmma in flight (the M=64 deep ring) at every shape, at most 4 weight blocks
+        # requested before griddepcontrol.wait
+        "deep-pre4": shipped._replace(smem_share=1, wgmma_in_flight=2, pre_wait_blocks=4),
+        # CTA 0 of a cluster receives every partial and sums and stores all of the row tile's y (shipped before run 24:
+        # now every CTA sums and stores a share of it, a reduce-scatter, KernelOptions.cluster_scatter)
+        "reduce-cta0": shipped._replace(cluster_scatter=False),
         # at most 2 CTAs per row tile: 4096x4096 on 64 SMs, so two launches in a row fit beside each other
         "half-grid": shipped._replace(cluster_max_k=2),
         "x-evict-last": shipped._replace(x_eviction="last"),  # x loads marked evict-last in L2
@@ -98,6 +115,15 @@ def select_variants(parser, table, names):
     return {name: o for name, o in table.items() if not names or name in names}
 
 
+def select_shapes(parser, names):
+    """The (N, K) of SHAPES named "NxK" in names (all of them for none); anything else is a usage error."""
+    known = {f"{n}x{k}": (n, k) for n, k in SHAPES}
+    unknown = [name for name in names or () if name not in known]
+    if unknown:
+        parser.error(f"unknown shape(s) {unknown}; known: {list(known)}")
+    return [known[name] for name in names] if names else list(SHAPES)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--csv", help="also write one row per (variant, shape, M) here")
@@ -105,7 +131,9 @@ def main():
     parser.add_argument("--in-situ", action="append", help=f"time this variant in situ too (repeatable; default "
                                                            f"{list(IN_SITU)})")
     parser.add_argument("--ms", type=int, nargs="+", default=list(MS), help=f"M values (default {list(MS)})")
+    parser.add_argument("--shapes", nargs="+", metavar="NxK", help="only these of SHAPES (default all)")
     args = parser.parse_args()
+    shapes = select_shapes(parser, args.shapes)
 
     import cutlass
     import torch_tma
@@ -130,7 +158,7 @@ def main():
         for name, o in table.items()
     }
     for o in table.values():  # compile up front so compile time shows apart from measurement
-        for (n, k), m in ((shape, m) for shape in SHAPES for m in ms):
+        for (n, k), m in ((shape, m) for shape in shapes for m in ms):
             linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), False, "",
                                   linear.options_for(o, n, k, m, sm_count, capacity))
     print(f"compiled {linear.compile_kernel.cache_info().currsize} kernels [{time.perf_counter() - started:.0f} s]",
@@ -139,7 +167,7 @@ def main():
     results = {}  # (variant or "cublas", N, K, M) -> us, or None for a wrong result
     in_situ = {}  # the same keys, IN_SITU variants and cuBLAS only: us per call after a small kernel
     failed = []
-    for n, k in SHAPES:
+    for n, k in shapes:
         copies = max(2, -(-ROTATION_BYTES // (n * k * 2)))
         weights = [(torch.randn(n, k, device=device) / math.sqrt(k)).to(DTYPE) for _ in range(copies)]
         box, swizzle = linear.weight_box(n, k, DTYPE), linear.weight_swizzle(DTYPE)
@@ -182,14 +210,14 @@ def main():
         del weights
         torch.cuda.empty_cache()
 
-    cells = [(n, k, m) for n, k in SHAPES for m in ms]
+    cells = [(n, k, m) for n, k in shapes for m in ms]
     for title, res, names in (("back-to-back calls", results, list(table)),
                               ("in situ (a small kernel before each call)", in_situ,
                                [v for v in table if v in in_situ_names])):
         print(f"\n{title}: GPU us per call (median over graph replays) and speedup vs cuBLAS; "
               f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
         print(f"{'variant':18s} {'N x K':>11s}" + "".join(f"{f'M={m}':>16s}" for m in ms))
-        for n, k in SHAPES:
+        for n, k in shapes:
             print(f"{'cublas':18s} {f'{n}x{k}':>11s}" + "".join(f"{res['cublas', n, k, m]:>16.2f}" for m in ms))
             for name in names:
                 row = ""

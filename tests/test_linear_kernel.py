@@ -68,11 +68,18 @@ OPTION_VARIANTS = [
     # alone on its SMs, triggering after the last load wherever the grid fits (exclusive_trigger_grid=1), and
     # exclusive_sm on every build, stream-K too
     linear.DEFAULT_OPTIONS._replace(exclusive_trigger_grid=1.0, exclusive_sm=True),
+    # the MMA warps trigger once the block trigger_lead (3) before the run's last has landed
+    linear.DEFAULT_OPTIONS._replace(early_trigger=False, load_trigger=True, trigger_point="landed"),
+    # the deep ring with at most 4 weight blocks requested before the PDL wait
+    linear.DEFAULT_OPTIONS._replace(smem_share=1, wgmma_in_flight=2, pre_wait_blocks=4),
+    linear.DEFAULT_OPTIONS._replace(cluster_scatter=False),  # CTA 0 of a cluster sums and stores all of y
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
               f"{'-prefetch' * bool(o.descriptor_prefetch)}{'-loadtrigger' * o.load_trigger}"
               f"{'-2wg' * (o.consumer_warpgroups == 2)}{'-exclusive' * o.exclusive_sm}"
+              f"{'-landed' * (o.trigger_point == 'landed')}{f'-prewait{o.pre_wait_blocks}' * bool(o.pre_wait_blocks)}"
+              f"{'-reduce0' * (o.cluster_split > 0 and not o.cluster_scatter)}"
               for o in OPTION_VARIANTS]
 
 
@@ -173,7 +180,7 @@ def test_no_predicated_r2ur(m_pad, tmp_path):
 @pytest.mark.parametrize("options", OPTION_VARIANTS, ids=OPTION_IDS)
 def test_kernel_options_compile(options, tmp_path):
     """Each option reaches the code: the fence scope, griddepcontrol (one trigger, a second in the load loop for
-    trigger_lead; waits only with pdl),
+    trigger_lead; with trigger_point "landed" the one in the MMA warps' loop instead; waits only with pdl),
     weight loads through the fenced descriptor (twice as many load sites with weight_before_wait), and no
     predicated R2UR in the extra load loop."""
     ptx, cubin = _ptx_and_cubin(torch.bfloat16, 16, True, tmp_path, options)
@@ -181,7 +188,7 @@ def test_kernel_options_compile(options, tmp_path):
     loads = TMA_LOAD_DESCRIPTOR.findall(ptx)
     sites = 4 if options.weight_before_wait else 2
     assert len(loads) == sites and loads.count(fenced) == sites // 2, (fenced, loads)
-    lead = options.pdl and options.load_trigger and not options.early_trigger and options.trigger_lead > 0
+    lead = options.run_trigger == "issue" and options.trigger_lead > 0
     assert ptx.count("griddepcontrol.launch_dependents;") == int(options.pdl and (options.early_trigger
                                                                                   or options.load_trigger)) + lead
     assert (ptx.count("griddepcontrol.wait;") > 0) == options.pdl
@@ -327,12 +334,13 @@ def test_relaxed_cluster_arrive_follows_the_barrier_init_fence(m_pad, cluster_k,
 
 @pytest.mark.parametrize("m_pad,cluster_k", CLUSTER_BUILDS, ids=[f"m{m}-cluster{c}" for m, c in CLUSTER_BUILDS])
 def test_cluster_split_compiles(m_pad, cluster_k, tmp_path):
-    """A cluster-split build sends its partial to CTA 0 with st.async (m_pad / 4 16-byte pieces per thread) counted
+    """A cluster-split build reducing on CTA 0 (cluster_scatter=False) sends its partial to CTA 0 with st.async (m_pad / 4 16-byte pieces per thread) counted
     on CTA 0's barrier, waits on the cluster barrier only before sending, and uses no global atomics (no split-K
     counters); its ring and received partials fit the CTA's share of shared memory. Partials above
     OWN_PARTIAL_BYTES land in CTA 0's ring: there CTA 0 also waits on the cluster barrier and then tells each
     sender, with a remote mbarrier arrive released at cluster scope, that its ring is drained."""
-    options = linear.DEFAULT_OPTIONS._replace(cluster_split=2, cluster_fit=False, cluster_k=cluster_k)
+    options = linear.DEFAULT_OPTIONS._replace(cluster_split=2, cluster_fit=False, cluster_k=cluster_k,
+                                              cluster_scatter=False)
     ptx, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, tmp_path, options)
     sends = re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32", ptx)
     assert len(sends) == m_pad // 4, sends
@@ -354,6 +362,32 @@ def test_cluster_split_compiles(m_pad, cluster_k, tmp_path):
         received = 0
     per_cta = stages * (linear.TILE_N + m_pad) * linear.TILE_K * 2 + linear.SMEM_RESERVED + received
     assert stages >= 2 and options.smem_slots * (per_cta + linear.SMEM_PER_CTA_SYSTEM) <= linear.SMEM_PER_SM
+
+
+SCATTER_BUILDS = [(8, 8, 1), (16, 3, 1), (32, 4, 1), (64, 2, 1), (8, 8, 2), (64, 3, 2)]
+
+
+@pytest.mark.parametrize("m_pad,cluster_k,warpgroups", SCATTER_BUILDS,
+                         ids=[f"m{m}-cluster{c}-wg{w}" for m, c, w in SCATTER_BUILDS])
+def test_cluster_scatter_compiles(m_pad, cluster_k, warpgroups, tmp_path):
+    """A reduce-scatter build (cluster_scatter) has one st.async site per 16-byte piece of a thread's partial (each
+    sent by every rank but its owner), a single cluster wait, no global atomics; with the partials in the ring, one
+    remote drained arrive (each CTA to every other) released at cluster scope after the last wgmma wait and the
+    proxy fence. Builds where some ranks own no piece (m_pad 8 over 8 CTAs) compile too."""
+    options = linear.DEFAULT_OPTIONS._replace(cluster_split=2, cluster_fit=False, cluster_k=cluster_k,
+                                              consumer_warpgroups=warpgroups, cluster_scatter=True)
+    ptx, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, tmp_path, options)
+    pieces = linear.TILE_N * m_pad // options.mma_threads // 4
+    sends = re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32", ptx)
+    assert len(sends) == pieces, (len(sends), pieces)
+    in_ring = linear.partials_in_ring(m_pad, cluster_k)
+    assert ptx.count("barrier.cluster.arrive") == 1 and ptx.count("barrier.cluster.wait") == 1
+    drained = re.findall(r"mbarrier\.arrive\.release\.cluster\.shared::cluster\.b64", ptx)
+    assert len(drained) == in_ring
+    if in_ring:
+        last_wait = ptx.rindex("wgmma.wait_group.sync.aligned")
+        assert last_wait < ptx.index("fence.proxy.async.shared::cta") < ptx.index("mbarrier.arrive.release.cluster")
+    assert "atom.global" not in ptx and "red.global" not in ptx
 
 
 @pytest.mark.parametrize("m_pad,cluster_k", [(8, 0), (64, 1), (16, 4), (64, 3)],
@@ -789,6 +823,53 @@ def test_cluster_split_numerics(cluster_k):
     options = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_fit=False, cluster_k=cluster_k)
     _check_split_builds(options, [(4096, 4096), (1024, 4096), (6144, 4096), (1000, 1000), (129, 520), (8, 256)],
                         (1, 2, 7, 8, 9, 16, 17, 32, 33, 64), f"cluster_k={cluster_k}")
+
+
+@on_gpu
+@pytest.mark.parametrize("warpgroups", [1, 2], ids=lambda w: f"wg{w}")
+@pytest.mark.parametrize("cluster_k", range(2, linear.MAX_CLUSTER_K + 1), ids=lambda c: f"k{c}")
+def test_cluster_scatter_matches_reduce_bitwise(cluster_k, warpgroups):
+    """The reduce-scatter (cluster_scatter) makes the same additions in the same rank order as CTA 0's reduction, so
+    on fresh random data, M around every m_pad whose partials fit (in a buffer of their own or in the ring, some ranks
+    owning no piece at m_pad 8), with bias at odd M, y is bit for bit the same, and it matches the float64
+    reference; y poisoned with NaN before each launch."""
+    reduce = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_fit=False, cluster_k=cluster_k,
+                                             consumer_warpgroups=warpgroups, cluster_scatter=False)
+    scatter = reduce._replace(cluster_scatter=True)
+    workspace = linear._workspace(0)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    checked = 0
+    for n, k in [(4096, 4096), (1000, 1000), (129, 520)]:
+        for m in (1, 8, 9, 16, 17, 32, 33, 64):
+            if cluster_k > -(-k // linear.TILE_K) or not linear._fits_cluster(linear.m_pad(m), cluster_k, 2):
+                continue
+            x, weight, b = _random(m, n, k, torch.bfloat16, m % 2 == 1)
+            outs = []
+            for options in (reduce, scatter):
+                out = torch.full((m, n), math.nan, dtype=torch.bfloat16, device="cuda")
+                compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(m), b is not None, "", options)
+                compiled(x, weight, b, out, workspace.partials, workspace.arrivals, _weight_map(weight).ptr,
+                         linear.grid_size(n, k, sm_count, options))
+                outs.append(out)
+            torch.cuda.synchronize()
+            _check(outs[1], x, weight, b, f"scatter cluster_k={cluster_k} {n}x{k} M={m}")
+            assert torch.equal(outs[0], outs[1]), f"cluster_k={cluster_k} {n}x{k} M={m}: scatter differs from reduce"
+            checked += 1
+    assert checked >= 6, checked
+
+
+def test_scatter_shares():
+    """Every piece has one owner, owners in rank order with equal runs (within one piece), and ranks beyond the
+    pieces own none."""
+    for pieces in (1, 2, 4, 8, 16):
+        for cluster_k in range(2, linear.MAX_CLUSTER_K + 1):
+            first, owner = linear.scatter_shares(pieces, cluster_k)
+            assert first[0] == 0 and first[-1] == pieces and first == sorted(first)
+            assert len(owner) == pieces and owner == sorted(owner)
+            runs = [first[r + 1] - first[r] for r in range(cluster_k)]
+            assert max(runs) - min(runs) <= 1 and sum(runs) == pieces
+            assert all(first[owner[q]] <= q < first[owner[q] + 1] for q in range(pieces))
+    assert linear.scatter_shares(2, 3) == ([0, 0, 1, 2], [1, 2])
 
 
 @on_gpu

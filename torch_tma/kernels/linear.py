@@ -12,12 +12,13 @@ How (160 threads per CTA; KernelOptions.consumer_warpgroups=2, a measured altern
 - Two ways to cut the work (KernelOptions.cluster_split; options_for() picks per shape):
   * Cluster split (wherever the grid fits: cluster_k_for). One thread-block cluster per 128-row tile,
     cluster_k CTAs (up to 8, one CTA per SM, no more than lets every tile's cluster run at once: cluster_capacity)
-    each stream an equal share of the tile's K. CTAs 1.. send their
-    fp32 partial into CTA 0's shared memory with st.async, counted in bytes on CTA 0's mbarrier: into a buffer
-    of its own when small, else into CTA 0's weight ring once CTA 0 has said (remote mbarrier arrive) that it
-    consumed its last stage. CTA 0 adds them in rank order (deterministic), adds the bias and writes y. No global
-    workspace, no atomics: the fix-up costs ~0.16 us after the last block (benchmarks/trace_linear.py) instead
-    of ~2.5 us.
+    each stream an equal share of the tile's K. Shipped (KernelOptions.cluster_scatter), a reduce-scatter: each
+    CTA owns an equal share of the tile's outputs and sends the rest of its fp32 partial to their owners with
+    st.async, counted in bytes on the owner's mbarrier: into a buffer of its own when small, else into the owner's
+    weight ring once every other CTA has said (remote mbarrier arrive) that it consumed its last stage. Each owner
+    adds its share's values in rank order (deterministic), adds the bias and writes them. Without it, CTA 0
+    receives every partial and writes all of y (cluster_reduce). No global workspace, no atomics: CTA 0's fix-up
+    cost ~0.16 us after the last block (benchmarks/trace_linear.py) instead of ~2.5 us.
   * Stream-K (more row tiles than two per SM). The (N / 128) x (K / 64) grid of 16 KiB weight blocks is cut into num_ctas
     equal contiguous runs, one per SM, whatever the shape. A CTA that covered a whole row tile writes y
     directly; one that covered part of a tile writes its fp32 partial to its own workspace slot and adds its
@@ -90,9 +91,10 @@ SMEM_PER_CTA_SYSTEM = 1024
 # What a KernelOptions.exclusive_sm launch asks for at least: two such CTAs and their system shares overflow an SM.
 EXCLUSIVE_SMEM_BYTES = SMEM_PER_SM // 2
 MAX_CLUSTER_K = 8  # most CTAs one row tile is split across in a cluster-split build (the portable cluster size)
-# A cluster's CTA 0 receives cluster_k - 1 fp32 partials of 128 x m_pad. Up to this many bytes they get a buffer of
-# their own beside the ring (what was measured at M <= 16, cluster_k <= 4); larger ones land in CTA 0's ring once
-# CTA 0 has consumed its last stage, so they cost no stages (see cluster_reduce).
+# A cluster's CTA 0 receives cluster_k - 1 fp32 partials of 128 x m_pad (cluster_reduce; with cluster_scatter each CTA
+# receives less, and the same rule sizes its buffer). Up to this many bytes they get a buffer of their own beside the
+# ring (what was measured at M <= 16, cluster_k <= 4); larger ones land in the receiver's ring once it has consumed its
+# last stage, so they cost no stages.
 OWN_PARTIAL_BYTES = 24 * 1024
 MAX_ROW_TILES = 1 << 16  # arrival counters per workspace: N up to 8,388,608 rows
 FIXUP_BARRIER = 1  # named barrier of the MMA threads (0 is __syncthreads)
@@ -108,7 +110,8 @@ TRACE_FIELDS = (
     "clk_last_release",  # thread 0: last stage of the run consumed (its wgmma done)
     "clk_end",  # thread 0 after its last epilogue or fix-up
     "clk_fixup_start",  # thread 0: the last fix-up sum this CTA started (0: none)
-    "fixups",  # tiles this CTA summed as the last arriver (cluster split: 1 in a cluster's CTA 0)
+    "fixups",  # tiles this CTA summed as the last arriver (cluster split: 1 in a CTA that sums a share, every
+    # CTA with cluster_scatter where the tile's outputs are more pieces than CTAs, else CTA 0)
     "sm",  # %smid of the SM the CTA ran on
 )
 
@@ -179,6 +182,23 @@ class KernelOptions(NamedTuple):
         (docs/linear.md), back to back, 4096x4096 M=1 took 8.94 against 9.56 us and 6144x4096 M=1 13.62 against
         14.49 us; at M 32-64 it lost (6144x4096 M=32 14.85 against 14.68 us).
     trigger_lead_max_m_pad: the bound of trigger_lead's policy above, one of M_PADS.
+    trigger_point: where a load_trigger build triggers inside its run. "issue" (shipped): the TMA warp, as it issues
+        load run_end - 1 - trigger_lead (above). "landed": the MMA warps, once block run_end - 1 - trigger_lead has
+        landed in the ring (with trigger_lead 0: the run's last block; later than "issue" by the ring's depth), so the
+        next launch starts while this one's last stages are consumed and it sums its partials. Sweep run 24
+        (docs/linear.md): "landed" lost in 20 of 25 cells, 4096x4096 M=1 9.85 against 8.76 us back to back.
+    cluster_scatter: in a cluster-split build, every CTA sums and stores a share of the row tile's outputs (a
+        reduce-scatter) instead of CTA 0 receiving every partial and storing all of them: each CTA receives
+        (cluster_k - 1) / cluster_k of a partial rather than CTA 0 cluster_k - 1 whole ones, and the sums and y
+        stores are spread over the cluster. The same additions in the same (rank) order, so the same results.
+        Shipped: sweep run 24 (docs/linear.md), geomean 1.198x against 1.185x back to back and 1.071x against 1.051x
+        in situ over 25 cells; 1024x4096 M=32 4.39 against 5.46 us; it lost 6144x4096 M=32 back to back (15.05
+        against 14.32 us).
+    pre_wait_blocks: with weight_before_wait, at most this many weight blocks go out before griddepcontrol.wait
+        (0: the whole ring); the rest of the ring fills after the wait. A deep ring asks DRAM for all its stages at
+        once and its first stage lands last (docs/linear.md, trace run 8); a smaller first request lands it sooner.
+        Sweep run 24, the deep ring at every shape with 4: it won 1024x4096 M=64 (7.12 against 8.63 us) and lost 21 of
+        25 cells; not shipped (0).
     exclusive_max_blocks: the bound of exclusive_trigger_grid's exception above, in 64-column weight blocks per CTA
         (0: none). Shipped at 100, deep_ring_blocks' value: the runs long enough for the deep ring at M=64.
     exclusive_sm: the launch asks for more than half an SM's shared memory (EXCLUSIVE_SMEM_BYTES) whatever its ring
@@ -261,6 +281,9 @@ class KernelOptions(NamedTuple):
     exclusive_max_blocks: int = 0
     trigger_lead: int = 0
     trigger_lead_max_m_pad: int = M_PADS[-1]
+    trigger_point: str = "issue"
+    pre_wait_blocks: int = 0
+    cluster_scatter: bool = False
     exclusive_sm: bool = False
     cluster_split: int = 0
     cluster_k: int = 0
@@ -277,6 +300,12 @@ class KernelOptions(NamedTuple):
     x_eviction: str = "normal"
     late_first_cta_ns: int = 0
     trace: bool = False
+
+    @property
+    def run_trigger(self) -> str:
+        """Where a CTA triggers the dependent launch inside its run: trigger_point for a load_trigger build, "" for
+        one that triggers at its start or at exit."""
+        return self.trigger_point if self.pdl and self.load_trigger and not self.early_trigger else ""
 
     @property
     def mma_threads(self) -> int:
@@ -335,6 +364,10 @@ class KernelOptions(NamedTuple):
         if self.trigger_lead < 0 or self.trigger_lead_max_m_pad not in M_PADS:
             raise ValueError(f"KernelOptions.trigger_lead must be >= 0 and trigger_lead_max_m_pad one of {M_PADS}, got "
                              f"{self.trigger_lead!r}, {self.trigger_lead_max_m_pad!r}")
+        if self.trigger_point not in ("issue", "landed"):
+            raise ValueError(f"KernelOptions.trigger_point must be 'issue' or 'landed', got {self.trigger_point!r}")
+        if self.pre_wait_blocks < 0:
+            raise ValueError(f"KernelOptions.pre_wait_blocks must be >= 0, got {self.pre_wait_blocks!r}")
         if self.exclusive_max_blocks < 0:
             raise ValueError(f"KernelOptions.exclusive_max_blocks must be >= 0, got {self.exclusive_max_blocks!r}")
         if self.deep_ring_blocks < 0:
@@ -434,7 +467,8 @@ class KernelOptions(NamedTuple):
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                                 cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
                                 weight_eviction="first", exclusive_trigger_grid=0.75, exclusive_max_blocks=100,
-                                deep_ring_blocks=100, trigger_lead=3, trigger_lead_max_m_pad=16)
+                                deep_ring_blocks=100, trigger_lead=3, trigger_lead_max_m_pad=16,
+                                cluster_scatter=True)
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -649,6 +683,15 @@ def partials_in_ring(m_pad_: int, cluster_k: int) -> bool:
     """Whether a cluster-split build receives its partials in CTA 0's weight ring (after CTA 0's last stage)
     rather than in a buffer of their own: above OWN_PARTIAL_BYTES."""
     return _cluster_partial_bytes(m_pad_, cluster_k) > OWN_PARTIAL_BYTES
+
+
+def scatter_shares(pieces: int, cluster_k: int) -> tuple[list[int], list[int]]:
+    """The reduce-scatter's cut (KernelOptions.cluster_scatter) of a thread's `pieces` 4-value pieces over a cluster:
+    (first, owner), rank r owning pieces first[r] .. first[r + 1] - 1 (equal runs in rank order; with fewer pieces
+    than ranks, some own none) and owner[q] the rank that owns piece q."""
+    first = [r * pieces // cluster_k for r in range(cluster_k + 1)]
+    owner = [r for q in range(pieces) for r in range(cluster_k) if first[r] <= q < first[r + 1]]
+    return first, owner
 
 
 def _weight_ring_bytes(stages: int) -> int:
@@ -925,7 +968,24 @@ class WeightStreamingLinear:
             cluster_partials = cute.make_tensor(ring, cute.make_layout(self.cluster_elems))
         else:
             cluster_partials = storage.cluster_partials.get_tensor(cute.make_layout(self.cluster_elems))
-        if cutlass.const_expr(cluster_k > 1):
+        if cutlass.const_expr(cluster_k > 1 and self.options.cluster_scatter):
+            # every CTA's barrier counts the bytes of its share of the other CTAs' partials (cluster_scatter), and
+            # with the partials in the ring its drained_barrier the other CTAs' word that their rings are drained
+            if tidx == 0:
+                pieces = self.values // 4
+                share = (rank + 1) * pieces // cluster_k - rank * pieces // cluster_k
+                cute.arch.mbarrier_init(storage.cluster_barrier.data_ptr(), 1)
+                if cutlass.const_expr(self.in_ring):
+                    cute.arch.mbarrier_init(storage.drained_barrier.data_ptr(), cluster_k - 1)
+                cute.arch.mbarrier_init_fence()
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    storage.cluster_barrier.data_ptr(), (cluster_k - 1) * share * 4 * self.mma_threads * 4
+                )
+            if cutlass.const_expr(self.options.relaxed_cluster_arrive):
+                cute.arch.cluster_arrive_relaxed()
+            else:
+                cute.arch.cluster_arrive()
+        elif cutlass.const_expr(cluster_k > 1):
             # CTA 0's barrier counts the bytes of the other CTAs' partials (cluster_reduce)
             if rank == 0 and tidx == 0:
                 cute.arch.mbarrier_init(storage.cluster_barrier.data_ptr(), 1)
@@ -988,7 +1048,8 @@ class WeightStreamingLinear:
         if cutlass.const_expr(self.options.weight_before_wait):
             # The weight blocks of the first ring's worth of iterations go out before the wait, their x
             # blocks after it: both land on the stage's barrier, which expects their sum.
-            first = cutlass.min(run_end, run_begin + self.stages)
+            pre_wait = min(self.stages, self.options.pre_wait_blocks) if self.options.pre_wait_blocks else self.stages
+            first = cutlass.min(run_end, run_begin + pre_wait)
             x_col = col
             for _ in cutlass.range(run_begin, first, unroll=1):
                 w_smem_dst, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
@@ -1024,7 +1085,7 @@ class WeightStreamingLinear:
             if tidx == self.options.producer_warp * 32:
                 trace[cta, 4] = cute.arch.clock64()
         # the trigger after the last weight load (load_trigger), and trigger_lead loads before it
-        after_load = self.options.pdl and self.options.load_trigger and not self.options.early_trigger
+        after_load = self.options.run_trigger == "issue"
         trigger_at = run_end - 1 - self.options.trigger_lead
         for i in cutlass.range(first, run_end, unroll=1):
             w_smem_dst, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
@@ -1079,8 +1140,11 @@ class WeightStreamingLinear:
             tile_begin = tile * k_blocks
             seg_end = cutlass.min(run_end, tile_begin + k_blocks)
             acc.fill(0.0)
-            for _ in cutlass.range(it, seg_end, unroll=1):
+            for i in cutlass.range(it, seg_end, unroll=1):
                 loads.consumer_wait(state)
+                if cutlass.const_expr(self.options.run_trigger == "landed"):
+                    if i == run_end - 1 - self.options.trigger_lead:
+                        cute.arch.griddepcontrol_launch_dependents()  # that block has landed (once per CTA)
                 if cutlass.const_expr(self.options.trace):
                     if tidx == 0 and state.count == 0:
                         trace[cta, 5] = cute.arch.clock64()
@@ -1109,7 +1173,12 @@ class WeightStreamingLinear:
                 if tidx == 0 and seg_end == run_end:
                     trace[cta, 6] = cute.arch.clock64()
 
-            if cutlass.const_expr(self.options.cluster_k > 1):
+            if cutlass.const_expr(self.options.cluster_k > 1 and self.options.cluster_scatter):
+                self.cluster_scatter(
+                    acc, tile_sum, acc_coords, tile, bias, out, cluster_partials, cluster_barrier, drained_barrier,
+                    tidx, trace, cta,
+                )
+            elif cutlass.const_expr(self.options.cluster_k > 1):
                 self.cluster_reduce(
                     acc, tile_sum, acc_coords, tile, bias, out, cluster_partials, cluster_barrier, drained_barrier,
                     tidx, trace, cta,
@@ -1238,10 +1307,76 @@ class WeightStreamingLinear:
             self.store_tile(tile_sum, acc_coords, tile, bias, out)
 
     @cute.jit
-    def store_tile(self, values, acc_coords, tile, bias, out):
-        """y[m, n] = values (+ bias[n]) for this thread's elements of row tile `tile` with m < M, n < N."""
+    def cluster_scatter(self, acc, tile_sum, acc_coords, tile, bias, out, cluster_partials, cluster_barrier,
+                        drained_barrier, tidx, trace, cta):
+        """Cluster split, reduce-scatter (KernelOptions.cluster_scatter): a thread's accumulator values are cut into
+        16-byte pieces of 4, and piece q belongs to rank owner(q) (the ranks take equal runs of pieces, in order).
+        Each CTA sends every piece it does not own to its owner with st.async (counted in bytes on the owner's
+        barrier), waits for its own pieces from the others, adds them in rank order and writes those y values.
+
+        Received: [sender's slot (its rank, less one above the receiver's)][piece - first owned][thread][value % 4],
+        a slot as long as the largest share. In a buffer of their own, or (self.in_ring) over the receiver's weight
+        ring: there every CTA, once its MMA warps are past their last wgmma, arrives on every other CTA's
+        drained_barrier, and sends only once all the others have arrived on its own.
+        """
+        rank = cute.arch.block_idx_in_cluster()
+        cluster_k = self.options.cluster_k
+        pieces = self.values // 4
+        first, owner = scatter_shares(pieces, cluster_k)
+        slot = max(first[r + 1] - first[r] for r in range(cluster_k)) * 4 * self.mma_threads
+        if cutlass.const_expr(self.options.late_first_cta_ns):
+            if rank == 0:
+                start = cute.arch.globaltimer()
+                now = start
+                while now - start < Int64(self.options.late_first_cta_ns):
+                    now = cute.arch.globaltimer()
+        if cutlass.const_expr(self.in_ring):
+            # wgmma read the ring through the async proxy; the other CTAs' stores must come after those reads
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=FIXUP_BARRIER, number_of_threads=self.mma_threads)
+        cute.arch.cluster_wait()  # every CTA has started and initialised its barriers
+        if cutlass.const_expr(self.in_ring):
+            if tidx < cluster_k and tidx != rank:
+                cute.arch.mbarrier_arrive(drained_barrier, tidx, scope=_CLUSTER_SCOPE)
+            cute.arch.mbarrier_wait(drained_barrier, 0)  # every other CTA is done with its ring
+        bits = cute.recast_tensor(acc, Int32)
+        for q in cutlass.range_constexpr(pieces):
+            r = owner[q]
+            if rank != r:
+                sender_slot = rank - Int32(rank > r)
+                offset = cute.assume(sender_slot * slot + (q - first[r]) * 4 * self.mma_threads + tidx * 4, divby=4)
+                cute.arch.store_async_dsmem(
+                    cluster_partials.iterator + offset,
+                    (bits[4 * q], bits[4 * q + 1], bits[4 * q + 2], bits[4 * q + 3]),
+                    cluster_barrier, r,
+                )
+        for r in cutlass.range_constexpr(cluster_k):
+            if cutlass.const_expr(first[r] < first[r + 1]):
+                if rank == r:
+                    cute.arch.mbarrier_wait(cluster_barrier, 0)
+                    if cutlass.const_expr(self.options.trace):
+                        if tidx == 0:
+                            trace[cta, 8] = cute.arch.clock64()
+                            trace[cta, 9] = Int64(1)
+                    for v in cutlass.range_constexpr(4 * first[r], 4 * first[r + 1]):
+                        base = (v // 4 - first[r]) * 4 * self.mma_threads + tidx * 4 + v % 4
+                        for src in cutlass.range_constexpr(cluster_k):  # rank order, as cluster_reduce
+                            if cutlass.const_expr(src == r):
+                                part = acc[v]
+                            else:
+                                part = cluster_partials[(src - int(src > r)) * slot + base]
+                            if cutlass.const_expr(src == 0):
+                                tile_sum[v] = part
+                            else:
+                                tile_sum[v] = tile_sum[v] + part
+                    self.store_tile(tile_sum, acc_coords, tile, bias, out, 4 * first[r], 4 * first[r + 1])
+
+    @cute.jit
+    def store_tile(self, values, acc_coords, tile, bias, out, lo=0, hi=None):
+        """y[m, n] = values (+ bias[n]) for this thread's elements of row tile `tile` with m < M, n < N: values
+        lo..hi-1 (compile-time bounds), all of them by default."""
         M, N = out.shape
-        for v in cutlass.range(cute.size(values), unroll_full=True):
+        for v in cutlass.range(lo, cute.size(values) if cutlass.const_expr(hi is None) else hi, unroll_full=True):
             row, m = acc_coords[v]
             n = tile * TILE_N + row
             if n < N and m < M:
