@@ -1266,12 +1266,7 @@ class WeightStreamingLinear:
         """
         rank = cute.arch.block_idx_in_cluster()
         slot_elems = self.partial_elems
-        if cutlass.const_expr(self.options.late_first_cta_ns):
-            if rank == 0:
-                start = cute.arch.globaltimer()
-                now = start
-                while now - start < Int64(self.options.late_first_cta_ns):
-                    now = cute.arch.globaltimer()
+        self.delay_first_cta(rank)
         if cutlass.const_expr(self.in_ring):
             if rank == 0:
                 # wgmma read the ring through the async proxy; the senders' stores must come after those reads
@@ -1324,12 +1319,7 @@ class WeightStreamingLinear:
         pieces = self.values // 4
         first, owner = scatter_shares(pieces, cluster_k)
         slot = max(first[r + 1] - first[r] for r in range(cluster_k)) * 4 * self.mma_threads
-        if cutlass.const_expr(self.options.late_first_cta_ns):
-            if rank == 0:
-                start = cute.arch.globaltimer()
-                now = start
-                while now - start < Int64(self.options.late_first_cta_ns):
-                    now = cute.arch.globaltimer()
+        self.delay_first_cta(rank)
         if cutlass.const_expr(self.in_ring):
             # wgmma read the ring through the async proxy; the other CTAs' stores must come after those reads
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -1370,6 +1360,17 @@ class WeightStreamingLinear:
                             else:
                                 tile_sum[v] = tile_sum[v] + part
                     self.store_tile(tile_sum, acc_coords, tile, bias, out, 4 * first[r], 4 * first[r + 1])
+
+    @cute.jit
+    def delay_first_cta(self, rank):
+        """A test build's delay (KernelOptions.late_first_cta_ns): CTA 0 of the cluster spins that long before its
+        part of the reduction, so the other CTAs reach their waits first. Nothing in shipped builds."""
+        if cutlass.const_expr(self.options.late_first_cta_ns):
+            if rank == 0:
+                start = cute.arch.globaltimer()
+                now = start
+                while now - start < Int64(self.options.late_first_cta_ns):
+                    now = cute.arch.globaltimer()
 
     @cute.jit
     def store_tile(self, values, acc_coords, tile, bias, out, lo=0, hi=None):
