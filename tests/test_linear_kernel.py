@@ -831,7 +831,7 @@ def test_cluster_split_numerics(cluster_k):
 def test_cluster_scatter_matches_reduce_bitwise(cluster_k, warpgroups):
     """The reduce-scatter (cluster_scatter) makes the same additions in the same rank order as CTA 0's reduction, so
     on fresh random data, M around every m_pad whose partials fit (in a buffer of their own or in the ring, some ranks
-    owning no piece at m_pad 8), with bias at odd M, y is bit for bit the same, and it matches the float64
+    owning no piece where a thread has fewer pieces than the cluster has CTAs), with bias at odd M, y is bit for bit the same, and it matches the float64
     reference; y poisoned with NaN before each launch."""
     reduce = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_fit=False, cluster_k=cluster_k,
                                              consumer_warpgroups=warpgroups, cluster_scatter=False)

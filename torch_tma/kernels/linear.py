@@ -680,8 +680,8 @@ def _cluster_partial_bytes(m_pad_: int, cluster_k: int) -> int:
 
 
 def partials_in_ring(m_pad_: int, cluster_k: int) -> bool:
-    """Whether a cluster-split build receives its partials in CTA 0's weight ring (after CTA 0's last stage)
-    rather than in a buffer of their own: above OWN_PARTIAL_BYTES."""
+    """Whether a cluster-split build receives its partials in the receiver's weight ring (after its last stage; CTA
+    0's without cluster_scatter, every CTA's with it) rather than in a buffer of their own: above OWN_PARTIAL_BYTES."""
     return _cluster_partial_bytes(m_pad_, cluster_k) > OWN_PARTIAL_BYTES
 
 
@@ -700,7 +700,7 @@ def _weight_ring_bytes(stages: int) -> int:
 
 
 def _fits_cluster(m_pad_: int, cluster_k: int, smem_slots: int) -> bool:
-    """A cluster-split build's received partials fit: in their own buffer, or in CTA 0's weight ring."""
+    """A cluster-split build's received partials fit: in their own buffer, or in the receiver's weight ring."""
     if not partials_in_ring(m_pad_, cluster_k):
         return pipeline_stages(m_pad_, smem_slots, cluster_k) >= 2
     return _cluster_partial_bytes(m_pad_, cluster_k) <= _weight_ring_bytes(pipeline_stages(m_pad_, smem_slots))
@@ -963,7 +963,8 @@ class WeightStreamingLinear:
             run_begin = cluster_tile * k_blocks + rank * k_blocks // cluster_k
             run_end = cluster_tile * k_blocks + (rank + 1) * k_blocks // cluster_k
         if cutlass.const_expr(self.in_ring):
-            # the partials land in CTA 0's weight ring; the other CTAs send once CTA 0 says it is drained
+            # the partials land in the receiver's weight ring (CTA 0's, or with cluster_scatter every CTA's); a CTA
+            # sends once its receivers say they are drained
             ring = cute.recast_ptr(storage.w_tiles.data_ptr(), dtype=Float32)
             cluster_partials = cute.make_tensor(ring, cute.make_layout(self.cluster_elems))
         else:
