@@ -85,6 +85,10 @@ OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-c
 
 # A 2-D TMA load in PTX; group 1 is the register holding the descriptor address it reads through.
 TMA_LOAD_DESCRIPTOR = re.compile(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\S* \[[^\]]+\], \[(%rd\d+), \{")
+# A cluster split's 16-byte partial piece sent to another CTA's shared memory, counted on its mbarrier; and a remote
+# mbarrier arrive released at cluster scope (the word that a CTA's ring is drained).
+ST_ASYNC_SEND = re.compile(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32")
+DRAINED_ARRIVE = re.compile(r"mbarrier\.arrive\.release\.cluster\.shared::cluster\.b64")
 
 
 def _ptx_and_cubin(dtype, m_pad, has_bias, tmp_path, options=linear.DEFAULT_OPTIONS):
@@ -342,11 +346,11 @@ def test_cluster_split_compiles(m_pad, cluster_k, tmp_path):
     options = linear.DEFAULT_OPTIONS._replace(cluster_split=2, cluster_fit=False, cluster_k=cluster_k,
                                               cluster_scatter=False)
     ptx, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, tmp_path, options)
-    sends = re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32", ptx)
+    sends = ST_ASYNC_SEND.findall(ptx)
     assert len(sends) == m_pad // 4, sends
     in_ring = linear.partials_in_ring(m_pad, cluster_k)
     assert ptx.count("barrier.cluster.arrive") == 1 and ptx.count("barrier.cluster.wait") == 1 + in_ring
-    drained = re.findall(r"mbarrier\.arrive\.release\.cluster\.shared::cluster\.b64", ptx)
+    drained = DRAINED_ARRIVE.findall(ptx)
     assert len(drained) == in_ring and ("fence.proxy.async.shared::cta" in ptx) == in_ring
     if in_ring:
         # CTA 0 says it is drained only after its last wgmma wait (the consumer loop comes first in the code)
@@ -378,11 +382,11 @@ def test_cluster_scatter_compiles(m_pad, cluster_k, warpgroups, tmp_path):
                                               consumer_warpgroups=warpgroups, cluster_scatter=True)
     ptx, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, tmp_path, options)
     pieces = linear.TILE_N * m_pad // options.mma_threads // 4
-    sends = re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32", ptx)
+    sends = ST_ASYNC_SEND.findall(ptx)
     assert len(sends) == pieces, (len(sends), pieces)
     in_ring = linear.partials_in_ring(m_pad, cluster_k)
     assert ptx.count("barrier.cluster.arrive") == 1 and ptx.count("barrier.cluster.wait") == 1
-    drained = re.findall(r"mbarrier\.arrive\.release\.cluster\.shared::cluster\.b64", ptx)
+    drained = DRAINED_ARRIVE.findall(ptx)
     assert len(drained) == in_ring
     if in_ring:
         last_wait = ptx.rindex("wgmma.wait_group.sync.aligned")
@@ -406,7 +410,7 @@ def test_two_consumer_warpgroups_split_the_tile(m_pad, cluster_k, tmp_path):
         assert re.search(rf"\.reqntid {options.threads}, 1, 1", ptx), groups
         counts[groups] = {
             "wgmma": len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16", ptx)),
-            "sends": len(re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32", ptx)),
+            "sends": len(ST_ASYNC_SEND.findall(ptx)),
             "stores": len(re.findall(r"st\.global\.b16", ptx)),
             "bar": set(re.findall(r"bar\.sync \t1, (\d+);", ptx)),
         }

@@ -969,38 +969,37 @@ class WeightStreamingLinear:
             cluster_partials = cute.make_tensor(ring, cute.make_layout(self.cluster_elems))
         else:
             cluster_partials = storage.cluster_partials.get_tensor(cute.make_layout(self.cluster_elems))
-        if cutlass.const_expr(cluster_k > 1 and self.options.cluster_scatter):
-            # every CTA's barrier counts the bytes of its share of the other CTAs' partials (cluster_scatter), and
-            # with the partials in the ring its drained_barrier the other CTAs' word that their rings are drained
-            if tidx == 0:
-                pieces = self.values // 4
-                share = (rank + 1) * pieces // cluster_k - rank * pieces // cluster_k
-                cute.arch.mbarrier_init(storage.cluster_barrier.data_ptr(), 1)
-                if cutlass.const_expr(self.in_ring):
-                    cute.arch.mbarrier_init(storage.drained_barrier.data_ptr(), cluster_k - 1)
-                cute.arch.mbarrier_init_fence()
-                cute.arch.mbarrier_arrive_and_expect_tx(
-                    storage.cluster_barrier.data_ptr(), (cluster_k - 1) * share * 4 * self.mma_threads * 4
-                )
-            if cutlass.const_expr(self.options.relaxed_cluster_arrive):
-                cute.arch.cluster_arrive_relaxed()
-            else:
-                cute.arch.cluster_arrive()
-        elif cutlass.const_expr(cluster_k > 1):
-            # CTA 0's barrier counts the bytes of the other CTAs' partials (cluster_reduce)
-            if rank == 0 and tidx == 0:
-                cute.arch.mbarrier_init(storage.cluster_barrier.data_ptr(), 1)
-                cute.arch.mbarrier_init_fence()
-                cute.arch.mbarrier_arrive_and_expect_tx(
-                    storage.cluster_barrier.data_ptr(), (cluster_k - 1) * self.partial_elems * 4
-                )
-            if cutlass.const_expr(self.in_ring):
-                if rank != 0 and tidx == 0:  # CTA 0 arrives on it once its ring is drained (cluster_reduce)
-                    cute.arch.mbarrier_init(storage.drained_barrier.data_ptr(), 1)
+        if cutlass.const_expr(cluster_k > 1):
+            if cutlass.const_expr(self.options.cluster_scatter):
+                # every CTA's barrier counts the bytes of its share of the other CTAs' partials (its run of
+                # scatter_shares), and with the partials in the ring its drained_barrier the other CTAs' word that
+                # their rings are drained
+                if tidx == 0:
+                    pieces = self.values // 4
+                    share = (rank + 1) * pieces // cluster_k - rank * pieces // cluster_k
+                    cute.arch.mbarrier_init(storage.cluster_barrier.data_ptr(), 1)
+                    if cutlass.const_expr(self.in_ring):
+                        cute.arch.mbarrier_init(storage.drained_barrier.data_ptr(), cluster_k - 1)
                     cute.arch.mbarrier_init_fence()
-            # Every thread arrives once: this CTA has started and its barriers are set. Only the senders wait, just
-            # before they send (and CTA 0 before it says it is drained), so the start does not wait on it. Relaxed:
-            # the barrier inits are already released to the cluster by fence.mbarrier_init above.
+                    cute.arch.mbarrier_arrive_and_expect_tx(
+                        storage.cluster_barrier.data_ptr(), (cluster_k - 1) * share * 4 * self.mma_threads * 4
+                    )
+            else:
+                # CTA 0's barrier counts the bytes of the other CTAs' partials (cluster_reduce)
+                if rank == 0 and tidx == 0:
+                    cute.arch.mbarrier_init(storage.cluster_barrier.data_ptr(), 1)
+                    cute.arch.mbarrier_init_fence()
+                    cute.arch.mbarrier_arrive_and_expect_tx(
+                        storage.cluster_barrier.data_ptr(), (cluster_k - 1) * self.partial_elems * 4
+                    )
+                if cutlass.const_expr(self.in_ring):
+                    if rank != 0 and tidx == 0:  # CTA 0 arrives on it once its ring is drained (cluster_reduce)
+                        cute.arch.mbarrier_init(storage.drained_barrier.data_ptr(), 1)
+                        cute.arch.mbarrier_init_fence()
+            # Every thread arrives once: this CTA has started and its barriers are set. A CTA waits on it only when it
+            # reaches its reduction (cluster_reduce: the senders, and CTA 0 before it says it is drained;
+            # cluster_scatter: every CTA), so the start does not wait on it. Relaxed: the barrier inits are already
+            # released to the cluster by fence.mbarrier_init above.
             if cutlass.const_expr(self.options.relaxed_cluster_arrive):
                 cute.arch.cluster_arrive_relaxed()
             else:
