@@ -1,6 +1,6 @@
 """Where the linear kernel's time goes: per-CTA timelines from a trace build (KernelOptions.trace) on the H200.
 
-    timeout 300 python benchmarks/trace_linear.py [--csv PATH] [--case N K M ...] [--variant NAME ...]   # < 2 min
+    timeout 300 python benchmarks/trace_linear.py [--csv PATH] [--cta-csv PATH] [--case N K M ...] [--variant NAME ...]
 
 For each case (N x K, M; bf16, no bias) and variant, a CUDA graph of back-to-back calls and one with a small
 elementwise kernel on x before every call ("in situ", as benchmarks/sweep_linear.py), weights rotated past the
@@ -22,7 +22,8 @@ and per CTA (SM clock converted with the clock rate measured from the same rows)
   stream    first stage landed -> last stage consumed
   tail      last stage consumed -> CTA end (fix-up or epilogue)
   fixup     a last arriver's final fix-up sum start -> CTA end (CTAs that did one)
-cuBLAS's time per call (CUDA events) in the same graphs is printed beside them.
+cuBLAS's time per call (CUDA events) in the same graphs is printed beside them. --cta-csv writes every CTA of every
+timed call (its SM, start, end and phases, cta_rows), for questions the medians cannot answer (which SMs stream late).
 """
 
 import argparse
@@ -101,12 +102,34 @@ def summarize(trace, fields, calls):
     return out
 
 
+def cta_rows(trace, fields, calls, ghz):
+    """One dict per CTA of each call after the first SKIP_CALLS, from trace [calls, ctas, fields]: the call, the CTA,
+    its SM, its start against the call's first CTA start and its end against the call's last CTA end (%globaltimer,
+    ns), and its phases as summarize names them (ns, from the SM clock at ghz)."""
+    col = {f: trace[..., i].double() for i, f in enumerate(fields)}
+    out = []
+    for i in range(SKIP_CALLS, calls):
+        first, last = float(col["gt_start"][i].min()), float(col["gt_end"][i].max())
+        t0 = col["clk_start"][i]
+        phases = {"issue": col["clk_first_issue"][i] - t0, "wait": col["clk_wait_done"][i] - t0,
+                  "ready": col["clk_first_ready"][i] - t0,
+                  "stream": col["clk_last_release"][i] - col["clk_first_ready"][i],
+                  "tail": col["clk_end"][i] - col["clk_last_release"][i]}
+        for cta in range(trace.shape[1]):
+            row = {"call": i, "cta": cta, "sm": int(trace[i, cta, fields.index("sm")]),
+                   "start_ns": float(col["gt_start"][i][cta]) - first, "end_ns": float(col["gt_end"][i][cta]) - last}
+            row.update({f"{name}_ns": round(float(v[cta]) / ghz, 1) for name, v in phases.items()})
+            out.append(row)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--csv", help="also write one row per (case, variant, mode) here")
     parser.add_argument("--case", nargs=3, type=int, action="append", metavar=("N", "K", "M"),
                         help="trace this case instead of CASES (repeatable)")
     parser.add_argument("--variant", action="append", help="only this variant (repeatable; default all)")
+    parser.add_argument("--cta-csv", help="also write one row per CTA of every timed call here (cta_rows)")
     args = parser.parse_args()
 
     import cutlass
@@ -123,7 +146,7 @@ def main():
     partials = torch.empty(sm_count * 2 * linear.M_PADS[-1] * linear.TILE_N, dtype=torch.float32, device=device)
     arrivals = torch.zeros(linear.MAX_ROW_TILES, dtype=torch.int32, device=device)
     table = sweep_linear.select_variants(parser, variants(linear), args.variant)
-    rows = []
+    rows, cta_table = [], []
     for n, k, m in args.case or CASES:
         copies = max(2, -(-ROTATION_BYTES // (n * k * 2)))
         weights = [(torch.randn(n, k, device=device) / math.sqrt(k)).to(DTYPE) for _ in range(copies)]
@@ -156,6 +179,9 @@ def main():
                        "cublas_us": cublas_us[mode], "feed_us": feed_us}
                 row.update(summarize(trace.cpu(), fields, calls))
                 rows.append(row)
+                if args.cta_csv:
+                    ident = {"N": n, "K": k, "M": m, "variant": name, "mode": mode, "cluster_k": o.cluster_k}
+                    cta_table += [dict(ident, **r) for r in cta_rows(trace.cpu(), fields, calls, row["sm_ghz"])]
                 print(f"{n}x{k} M={m} {name:8s} {mode:12s} {us:6.2f} us (cuBLAS {cublas_us[mode]:6.2f}) | span "
                       f"{row['span']:5.2f} gap {row['gap']:5.2f} skew {row['skew']:4.2f} early {row['early']:3.0f} SMs "
                       f"{row['sms']:3.0f} stacked {row['stacked']:3.0f} | per CTA p50/max: issue "
@@ -166,12 +192,12 @@ def main():
             check_close(out, x, weights[(calls - 1) % copies], f"trace build {name} {n}x{k} M={m} after replays")
         del weights
         torch.cuda.empty_cache()
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            fieldnames = list(dict.fromkeys(key for row in rows for key in row))
-            writer = csv.DictWriter(f, fieldnames=fieldnames)
-            writer.writeheader()
-            writer.writerows(rows)
+    for path, table_rows in ((args.csv, rows), (args.cta_csv, cta_table)):
+        if path:
+            with open(path, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(key for row in table_rows for key in row)))
+                writer.writeheader()
+                writer.writerows(table_rows)
 
 
 if __name__ == "__main__":

@@ -67,3 +67,44 @@ def test_clock_summary():
     assert clocks.take() == dict.fromkeys(gpu_clocks.FIELDS, "")
     assert gpu_clocks.event_names(0) == ""
     assert gpu_clocks.event_names(0x80 | 0x10000) == "hw-thermal|0x10000"
+
+
+def test_trace_cta_rows():
+    """benchmarks/trace_linear.py --cta-csv: one row per CTA of each call after the skipped ones, its SM, its start
+    and end against the call's first start and last end (globaltimer ns), its phases from the SM clock in ns."""
+    import torch
+    import trace_linear
+    from torch_tma.kernels.linear import TRACE_FIELDS
+
+    calls, ctas = trace_linear.SKIP_CALLS + 1, 2
+    trace = torch.zeros(calls, ctas, len(TRACE_FIELDS), dtype=torch.int64)
+    values = {  # per CTA of the last call; SM clock at 2 GHz (2 cycles per ns)
+        "gt_start": (1000, 1300), "gt_end": (9000, 9500), "clk_start": (100, 50), "clk_first_issue": (300, 250),
+        "clk_wait_done": (500, 450), "clk_first_ready": (2100, 2050), "clk_last_release": (14100, 16050),
+        "clk_end": (14500, 17050), "sm": (7, 12)}
+    for name, per_cta in values.items():
+        trace[-1, :, TRACE_FIELDS.index(name)] = torch.tensor(per_cta)
+    rows = trace_linear.cta_rows(trace, TRACE_FIELDS, calls, 2.0)
+    assert [(r["call"], r["cta"], r["sm"]) for r in rows] == [(calls - 1, 0, 7), (calls - 1, 1, 12)]
+    assert [(r["start_ns"], r["end_ns"]) for r in rows] == [(0.0, -500.0), (300.0, 0.0)]
+    assert [(r["issue_ns"], r["wait_ns"], r["ready_ns"], r["stream_ns"], r["tail_ns"]) for r in rows] == [
+        (100.0, 200.0, 1000.0, 6000.0, 200.0), (100.0, 200.0, 1000.0, 7000.0, 500.0)]
+
+
+def test_gpc_load_groups_sms_by_cluster_and_counts_ctas_per_group():
+    """docs/probes/gpc_load.py: SMs that held CTAs of one cluster share a group (transitively, across calls); a CTA's
+    stream time is filed under the number of CTAs of its call in its group."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "probes"))
+    import gpc_load
+
+    def row(call, cta, sm, k, stream):
+        return {"N": "8", "K": "64", "M": "1", "variant": "v", "mode": "m", "cluster_k": str(k), "call": str(call),
+                "cta": str(cta), "sm": str(sm), "stream_ns": str(stream)}
+
+    # call 0: clusters of 2 on SMs (0, 1) and (1, 2), so 0, 1, 2 are one group; SM 5 alone
+    rows = [row(0, 0, 0, 2, 100), row(0, 1, 1, 2, 100), row(0, 2, 1, 2, 200), row(0, 3, 2, 2, 200),
+            row(0, 4, 5, 2, 50), row(0, 5, 5, 2, 70)]
+    group = gpc_load.sm_groups(rows)
+    assert group[0] == group[1] == group[2] != group[5]
+    by_load = gpc_load.stream_by_load(rows, group)[("8", "64", "1", "v", "m")]
+    assert sorted(by_load) == [2, 4] and by_load[4] == [100.0, 100.0, 200.0, 200.0] and by_load[2] == [50.0, 70.0]
