@@ -19,7 +19,13 @@ triggers before exit; "no-lead": those that trigger after their last load do so 
 "landed": the MMA warps trigger once the block the lead points at has landed (KernelOptions.trigger_point);
 "deep-pre4": the whole SM's ring with two wgmma in flight at every shape, at most 4 weight blocks requested before
 griddepcontrol.wait (KernelOptions.pre_wait_blocks); "reduce-cta0": the cluster split reducing on CTA 0, as shipped
-before sweep run 24 (shipped now: every CTA sums and stores a share, KernelOptions.cluster_scatter); "half-grid": at
+before sweep run 24 (shipped now: every CTA sums and stores a share, KernelOptions.cluster_scatter); "ring-partials":
+every cluster build's partials in the receiver's drained ring (KernelOptions.own_partial_bytes=0); "full-pre6": the
+whole SM's ring with one wgmma in flight and at most 6 blocks requested before the wait; "no-beside": launches alone on
+their SMs receive partials above OWN_PARTIAL_BYTES in their drained ring, as before sweep run 26 (shipped since: in a
+buffer in the SM's other half, KernelOptions.partials_beside); "no-beside-small": smaller partials in a buffer inside the
+ring's share, as before sweep run 27 (shipped since: beside it too, the ring gaining their stages,
+KernelOptions.beside_small); "half-grid": at
 most 2 CTAs per row tile (cluster_max_k=2); "x-evict-last": x loads marked evict-last in L2; "full-ring": the whole
 SM's shared memory for the ring; "full-ring-wgmma2": that and a second stage's wgmma in flight (at every M; shipped only for M=64 runs of 100 blocks or more,
 KernelOptions.deep_ring_blocks); "no-deep-ring": none of them; "two-wg": two consumer warpgroups of 64 weight rows
@@ -95,6 +101,18 @@ def variants(linear):
         # CTA 0 of a cluster receives every partial and sums and stores all of the row tile's y (shipped before run 24:
         # now every CTA sums and stores a share of it, a reduce-scatter, KernelOptions.cluster_scatter)
         "reduce-cta0": shipped._replace(cluster_scatter=False),
+        # every cluster build's partials land in the drained ring (own_partial_bytes=0): at M=16 with 3 CTAs per tile,
+        # 6 stages of the half-SM ring instead of 5, senders waiting for the cluster's slowest CTA
+        "ring-partials": shipped._replace(own_partial_bytes=0),
+        # the whole SM's ring with one wgmma in flight, at most 6 weight blocks (the half ring's depth at M <= 16)
+        # requested before griddepcontrol.wait, the rest after it
+        "full-pre6": shipped._replace(smem_share=1, pre_wait_blocks=6),
+        # partials that would land in the drained ring do so in launches alone on their SMs too (shipped since sweep
+        # run 26: a buffer of their own in the SM's other half, KernelOptions.partials_beside)
+        "no-beside": shipped._replace(partials_beside=False),
+        # ... but partials small enough for a buffer in the ring's share stay there (shipped since sweep run 27: they
+        # move out too and the ring gains their stages, KernelOptions.beside_small)
+        "no-beside-small": shipped._replace(beside_small=False),
         # at most 2 CTAs per row tile: 4096x4096 on 64 SMs, so two launches in a row fit beside each other
         "half-grid": shipped._replace(cluster_max_k=2),
         "x-evict-last": shipped._replace(x_eviction="last"),  # x loads marked evict-last in L2

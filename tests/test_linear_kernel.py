@@ -73,6 +73,9 @@ OPTION_VARIANTS = [
     # the deep ring with at most 4 weight blocks requested before the PDL wait
     linear.DEFAULT_OPTIONS._replace(smem_share=1, wgmma_in_flight=2, pre_wait_blocks=4),
     linear.DEFAULT_OPTIONS._replace(cluster_scatter=False),  # CTA 0 of a cluster sums and stores all of y
+    linear.DEFAULT_OPTIONS._replace(own_partial_bytes=0),  # every cluster build's partials in the drained ring
+    # alone on the SM, partials above OWN_PARTIAL_BYTES in the drained ring rather than in the SM's other half
+    linear.DEFAULT_OPTIONS._replace(partials_beside=False),
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
@@ -80,6 +83,7 @@ OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-c
               f"{'-2wg' * (o.consumer_warpgroups == 2)}{'-exclusive' * o.exclusive_sm}"
               f"{'-landed' * (o.trigger_point == 'landed')}{f'-prewait{o.pre_wait_blocks}' * bool(o.pre_wait_blocks)}"
               f"{'-reduce0' * (o.cluster_split > 0 and not o.cluster_scatter)}"
+              f"{'-ring' * (o.own_partial_bytes != linear.OWN_PARTIAL_BYTES)}{'-nobeside' * (o.cluster_scatter and not o.partials_beside)}"
               for o in OPTION_VARIANTS]
 
 
@@ -368,23 +372,28 @@ def test_cluster_split_compiles(m_pad, cluster_k, tmp_path):
     assert stages >= 2 and options.smem_slots * (per_cta + linear.SMEM_PER_CTA_SYSTEM) <= linear.SMEM_PER_SM
 
 
-SCATTER_BUILDS = [(8, 8, 1), (16, 3, 1), (32, 4, 1), (64, 2, 1), (8, 8, 2), (64, 3, 2)]
+OWN = linear.OWN_PARTIAL_BYTES
+SCATTER_BUILDS = [(8, 8, 1, OWN), (16, 3, 1, OWN), (32, 4, 1, OWN), (64, 2, 1, OWN), (8, 8, 2, OWN), (64, 3, 2, OWN),
+                  (16, 3, 1, 0), (8, 2, 2, 0)]
 
 
-@pytest.mark.parametrize("m_pad,cluster_k,warpgroups", SCATTER_BUILDS,
-                         ids=[f"m{m}-cluster{c}-wg{w}" for m, c, w in SCATTER_BUILDS])
-def test_cluster_scatter_compiles(m_pad, cluster_k, warpgroups, tmp_path):
+@pytest.mark.parametrize("m_pad,cluster_k,warpgroups,own_bytes", SCATTER_BUILDS,
+                         ids=[f"m{m}-cluster{c}-wg{w}{'-ring' * (not o)}" for m, c, w, o in SCATTER_BUILDS])
+def test_cluster_scatter_compiles(m_pad, cluster_k, warpgroups, own_bytes, tmp_path):
     """A reduce-scatter build (cluster_scatter) has one st.async site per 16-byte piece of a thread's partial (each
-    sent by every rank but its owner), a single cluster wait, no global atomics; with the partials in the ring, one
-    remote drained arrive (each CTA to every other) released at cluster scope after the last wgmma wait and the
-    proxy fence. Builds where some ranks own no piece (m_pad 8 over 8 CTAs) compile too."""
+    sent by every rank but its owner), a single cluster wait, no global atomics; with the partials in the ring (large
+    ones, or any with own_partial_bytes=0), one remote drained arrive (each CTA to every other) released at cluster
+    scope after the last wgmma wait and the proxy fence. Builds where some ranks own no piece (m_pad 8 over 8 CTAs)
+    compile too."""
     options = linear.DEFAULT_OPTIONS._replace(cluster_split=2, cluster_fit=False, cluster_k=cluster_k,
-                                              consumer_warpgroups=warpgroups, cluster_scatter=True)
+                                              consumer_warpgroups=warpgroups, cluster_scatter=True,
+                                              own_partial_bytes=own_bytes)
     ptx, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, tmp_path, options)
     pieces = linear.TILE_N * m_pad // options.mma_threads // 4
     sends = ST_ASYNC_SEND.findall(ptx)
     assert len(sends) == pieces, (len(sends), pieces)
-    in_ring = linear.partials_in_ring(m_pad, cluster_k)
+    in_ring = linear.partials_in_ring(m_pad, cluster_k, own_bytes)
+    assert in_ring or own_bytes  # own_partial_bytes=0 puts every cluster build's partials in the ring
     assert ptx.count("barrier.cluster.arrive") == 1 and ptx.count("barrier.cluster.wait") == 1
     drained = DRAINED_ARRIVE.findall(ptx)
     assert len(drained) == in_ring
@@ -860,6 +869,92 @@ def test_cluster_scatter_matches_reduce_bitwise(cluster_k, warpgroups):
             assert torch.equal(outs[0], outs[1]), f"cluster_k={cluster_k} {n}x{k} M={m}: scatter differs from reduce"
             checked += 1
     assert checked >= 6, checked
+
+
+def test_own_partial_bytes_moves_partials_into_the_ring():
+    """KernelOptions.own_partial_bytes: at 0 every cluster build's partials land in the drained ring, so the buffer
+    beside the ring is gone and (m_pad 16, 3 CTAs per tile, half an SM) the ring holds 6 stages instead of 5; the
+    default keeps the shipped threshold; a negative value is refused."""
+    assert linear.DEFAULT_OPTIONS.own_partial_bytes == linear.OWN_PARTIAL_BYTES
+    assert not linear.partials_in_ring(16, 3) and linear.partials_in_ring(16, 3, 0)
+    assert linear.pipeline_stages(16, 2, 3) == 5 and linear.pipeline_stages(16, 2, 3, 0) == 6
+    for m_pad in linear.M_PADS:
+        for cluster_k in range(2, linear.MAX_CLUSTER_K + 1):
+            assert linear.pipeline_stages(m_pad, 2, cluster_k, 0) == linear.pipeline_stages(m_pad, 2)
+            assert linear.pipeline_stages(m_pad, 2, cluster_k, 0) >= linear.pipeline_stages(m_pad, 2, cluster_k)
+    o = linear.options_for(linear.DEFAULT_OPTIONS._replace(own_partial_bytes=0), 4096, 4096, 16, *H200)
+    assert o.cluster_k == 3 and o.own_partial_bytes == 0
+    with pytest.raises(ValueError, match="own_partial_bytes"):
+        linear.DEFAULT_OPTIONS._replace(own_partial_bytes=-1).check()
+
+
+def test_partials_beside_ring():
+    """KernelOptions.partials_beside (shipped): an exclusive_sm cluster build on half an SM whose partials would land in
+    the ring keeps them in a buffer in the SM's other half, the ring as deep as without partials; with beside_small
+    (shipped) smaller partials too, so the ring gains their stages; options_for keeps the policy only there
+    (4096x4096 at M=32 and 64 on an H200, M=16 only with beside_small; not without exclusive_sm or a cluster)."""
+    policy = linear.DEFAULT_OPTIONS
+    assert policy.partials_beside and policy.beside_small
+    resolved = {m: linear.options_for(policy, 4096, 4096, m, *H200) for m in (16, 32, 64)}
+    assert [resolved[m].partials_beside for m in (16, 32, 64)] == [True, True, True]
+    assert not linear.options_for(policy._replace(beside_small=False), 4096, 4096, 16, *H200).partials_beside
+    assert linear.pipeline_stages(16, 2, 3) == 5 and linear.pipeline_stages(16, 2, 3, beside=True) == 6
+    assert all(o.exclusive_sm and o.cluster_k == 3 for o in resolved.values())
+    o = resolved[64]
+    assert linear.partials_beside_ring(64, o) and not linear.partials_beside_ring(64, o._replace(exclusive_sm=False))
+    assert not linear.partials_beside_ring(64, o._replace(smem_share=1))
+    assert linear.pipeline_stages(64, 2, 3, beside=True) == linear.pipeline_stages(64, 2) == 4
+    assert not linear.options_for(policy, 10240, 8192, 64, *H200).partials_beside  # one CTA per tile: no partials
+    kernel = linear.WeightStreamingLinear(DSL_DTYPES[torch.bfloat16], 64, False, 4, o)
+    assert kernel.beside and not kernel.in_ring
+
+
+@pytest.mark.parametrize("m_pad", [32, 64])
+def test_partials_beside_build_has_no_drained_handshake(m_pad, tmp_path):
+    """A partials_beside build of 3 CTAs per tile sends every piece it does not own with st.async and never arrives on
+    another CTA's drained barrier (the in-ring build does, once)."""
+    o = linear.options_for(linear.DEFAULT_OPTIONS, 4096, 4096, m_pad, *H200)
+    assert o.partials_beside
+    for options, drained in ((o, 0), (o._replace(partials_beside=False), 1)):
+        dump = tmp_path / f"beside{int(options.partials_beside)}"
+        dump.mkdir()
+        ptx, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, dump, options)
+        assert len(DRAINED_ARRIVE.findall(ptx)) == drained, options.partials_beside
+        assert len(ST_ASYNC_SEND.findall(ptx)) == m_pad // 4
+
+
+@on_gpu
+@pytest.mark.parametrize("cluster_k", [2, 3, 8], ids=lambda c: f"k{c}")
+def test_partials_in_ring_match_own_buffer_bitwise(cluster_k):
+    """own_partial_bytes=0 (every cluster build's partials in the drained ring) and partials_beside (an exclusive_sm
+    build's in a buffer in the SM's other half) give y bit for bit equal to the build without them (a buffer of
+    their own at small m_pad, the ring above OWN_PARTIAL_BYTES) on fresh random data, M around every m_pad whose
+    partials fit, bias at odd M, and each matches the float64 reference; y poisoned with NaN before each launch."""
+    own = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_fit=False, cluster_k=cluster_k)
+    ring = own._replace(own_partial_bytes=0)
+    beside = own._replace(exclusive_sm=True, partials_beside=True)
+    workspace = linear._workspace(0)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    checked = besides = 0
+    for n, k in [(4096, 4096), (1000, 1000)]:
+        for m in (1, 8, 9, 16, 17, 32, 64):
+            if not linear._fits_cluster(linear.m_pad(m), cluster_k, 2):
+                continue
+            x, weight, b = _random(m, n, k, torch.bfloat16, m % 2 == 1)
+            outs = []
+            for options in (own, ring, beside):
+                out = torch.full((m, n), math.nan, dtype=torch.bfloat16, device="cuda")
+                compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(m), b is not None, "", options)
+                compiled(x, weight, b, out, workspace.partials, workspace.arrivals, _weight_map(weight).ptr,
+                         linear.grid_size(n, k, sm_count, options))
+                outs.append(out)
+            torch.cuda.synchronize()
+            besides += linear.partials_beside_ring(linear.m_pad(m), beside)
+            for name, out in zip(("in-ring", "beside"), outs[1:]):
+                _check(out, x, weight, b, f"{name} cluster_k={cluster_k} {n}x{k} M={m}")
+                assert torch.equal(outs[0], out), f"cluster_k={cluster_k} {n}x{k} M={m}: {name} differs"
+            checked += 1
+    assert checked >= 6 and besides >= 2, (checked, besides)
 
 
 def test_scatter_shares():

@@ -14,7 +14,8 @@ How (160 threads per CTA; KernelOptions.consumer_warpgroups=2, a measured altern
     cluster_k CTAs (up to 8, one CTA per SM, no more than lets every tile's cluster run at once: cluster_capacity)
     each stream an equal share of the tile's K. Shipped (KernelOptions.cluster_scatter), a reduce-scatter: each
     CTA owns an equal share of the tile's outputs and sends the rest of its fp32 partial to their owners with
-    st.async, counted in bytes on the owner's mbarrier: into a buffer of its own when small, else into the owner's
+    st.async, counted in bytes on the owner's mbarrier: into a buffer of its own (in a launch that has its SMs alone,
+    KernelOptions.partials_beside, in the half of the SM's shared memory its ring leaves), else into the owner's
     weight ring once every other CTA has said (remote mbarrier arrive) that it consumed its last stage. Each owner
     adds its share's values in rank order (deterministic), adds the bias and writes them. Without it, CTA 0
     receives every partial and writes all of y (cluster_reduce). No global workspace, no atomics: CTA 0's fix-up
@@ -194,6 +195,29 @@ class KernelOptions(NamedTuple):
         Shipped: sweep run 24 (docs/linear.md), geomean 1.198x against 1.185x back to back and 1.071x against 1.051x
         in situ over 25 cells; 1024x4096 M=32 4.39 against 5.46 us; it lost 6144x4096 M=32 back to back (15.05
         against 14.32 us).
+    own_partial_bytes: a cluster-split build receives its partials in a buffer of their own beside the ring up to
+        this many bytes ((cluster_k - 1) fp32 tiles of 128 x m_pad, the same rule with cluster_scatter), and in the
+        receiver's drained weight ring above it (partials_in_ring): a buffer of its own lets a CTA send as soon as it
+        is done, the ring costs no stages but makes every sender wait until the cluster's slowest CTA has drained
+        its ring. Shipped at OWN_PARTIAL_BYTES (24 KiB); 0 puts every cluster build's partials in the ring (at M=16
+        with 3 CTAs per tile: 6 stages of the half-SM ring instead of 5). Sweep run 25: 0 lost at M <= 16
+        (4096x4096 M=1 9.40 against 8.82 us, M=16 9.84 against 9.49 us), not shipped.
+    partials_beside: a policy for cluster-split builds that take their SMs alone (exclusive_sm) on a share of the SM
+        (smem_share > 1) and whose partials would land in the drained ring (above own_partial_bytes): their buffer
+        of their own goes in the SM's other share, which exclusive_sm keeps from other CTAs anyway, so the ring keeps
+        its depth and no sender waits for the cluster's slowest CTA to drain its ring (partials_beside_ring).
+        options_for() keeps it only where it applies and the ring, the partials and SMEM_RESERVED fit in SMEM_BYTES.
+        Shipped: sweep run 26 (docs/linear.md), geomean 1.223x against 1.201x back to back and 1.099x against 1.073x
+        in situ over 25 cells; 4096x4096 M=64 10.80 against 11.39 us, 4096x14336 M=64 31.06 against 31.64 us,
+        1024x4096 M=1 3.71 against 4.02 us (its 8 CTAs per tile receive 28 KiB at M=1). Sweep run 25: every cluster
+        build's partials in the ring (own_partial_bytes=0) lengthened 4096x4096 M=1 from 8.82 to 9.40 us, the CTAs'
+        median tail from 0.31 to 0.97 us (trace run 12): the handshake this avoids.
+    beside_small: with partials_beside, partials of at most own_partial_bytes move out of the ring's share too, so
+        the ring gains the stages their buffer took (m_pad 16 with 2 or 3 CTAs per tile: 6 stages instead of 5; m_pad
+        32 with 2: 5 instead of 4). Shipped: sweep run 27 (docs/linear.md), geomean 1.147x against 1.142x back to
+        back and 1.086x against 1.081x in situ over 12 cells; 6144x4096 M=32 15.19 against 15.91 us in situ,
+        8192x28672 M=32 106.75 against 108.00 us back to back; it lost 4096x14336 M=16 back to back (29.52 against
+        29.31 us) and M=32 in situ (31.14 against 30.84 us).
     pre_wait_blocks: with weight_before_wait, at most this many weight blocks go out before griddepcontrol.wait
         (0: the whole ring); the rest of the ring fills after the wait. A deep ring asks DRAM for all its stages at
         once and its first stage lands last (docs/linear.md, trace run 8); a smaller first request lands it sooner.
@@ -284,6 +308,9 @@ class KernelOptions(NamedTuple):
     trigger_point: str = "issue"
     pre_wait_blocks: int = 0
     cluster_scatter: bool = False
+    own_partial_bytes: int = OWN_PARTIAL_BYTES
+    partials_beside: bool = False
+    beside_small: bool = False
     exclusive_sm: bool = False
     cluster_split: int = 0
     cluster_k: int = 0
@@ -368,6 +395,8 @@ class KernelOptions(NamedTuple):
             raise ValueError(f"KernelOptions.trigger_point must be 'issue' or 'landed', got {self.trigger_point!r}")
         if self.pre_wait_blocks < 0:
             raise ValueError(f"KernelOptions.pre_wait_blocks must be >= 0, got {self.pre_wait_blocks!r}")
+        if self.own_partial_bytes < 0:
+            raise ValueError(f"KernelOptions.own_partial_bytes must be >= 0, got {self.own_partial_bytes!r}")
         if self.exclusive_max_blocks < 0:
             raise ValueError(f"KernelOptions.exclusive_max_blocks must be >= 0, got {self.exclusive_max_blocks!r}")
         if self.deep_ring_blocks < 0:
@@ -468,7 +497,7 @@ DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=
                                 cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
                                 weight_eviction="first", exclusive_trigger_grid=0.75, exclusive_max_blocks=100,
                                 deep_ring_blocks=100, trigger_lead=3, trigger_lead_max_m_pad=16,
-                                cluster_scatter=True)
+                                cluster_scatter=True, partials_beside=True, beside_small=True)
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -664,13 +693,16 @@ def m_pad(M: int) -> int:
     return next(p for p in M_PADS if p >= M)
 
 
-def pipeline_stages(m_pad_: int, smem_slots: int = 1, cluster_k: int = 0) -> int:
+def pipeline_stages(m_pad_: int, smem_slots: int = 1, cluster_k: int = 0,
+                    own_partial_bytes: int = OWN_PARTIAL_BYTES, beside: bool = False) -> int:
     """Stages of the TMA ring that fit in one CTA's share (1 / smem_slots) of an SM's shared memory; a stage
     is a 128 x 64 weight block and an m_pad x 64 block of x, 2-byte elements. A cluster-split build whose received
-    partials are small (partials_in_ring False) keeps them beside the ring."""
+    partials are small (partials_in_ring False) keeps them beside the ring, inside its share; with beside
+    (partials_beside_ring) they lie outside it, in the SM's other share, and the ring keeps its depth."""
     stage_bytes = (TILE_N + m_pad_) * TILE_K * 2
     cta_bytes = min(SMEM_BYTES, SMEM_PER_SM // smem_slots - SMEM_PER_CTA_SYSTEM)
-    own = 0 if partials_in_ring(m_pad_, cluster_k) else _cluster_partial_bytes(m_pad_, cluster_k)
+    in_ring = partials_in_ring(m_pad_, cluster_k, own_partial_bytes)
+    own = 0 if in_ring or beside else _cluster_partial_bytes(m_pad_, cluster_k)
     return (cta_bytes - SMEM_RESERVED - own) // stage_bytes
 
 
@@ -679,10 +711,23 @@ def _cluster_partial_bytes(m_pad_: int, cluster_k: int) -> int:
     return max(0, cluster_k - 1) * TILE_N * m_pad_ * 4
 
 
-def partials_in_ring(m_pad_: int, cluster_k: int) -> bool:
+def partials_in_ring(m_pad_: int, cluster_k: int, own_partial_bytes: int = OWN_PARTIAL_BYTES) -> bool:
     """Whether a cluster-split build receives its partials in the receiver's weight ring (after its last stage; CTA
-    0's without cluster_scatter, every CTA's with it) rather than in a buffer of their own: above OWN_PARTIAL_BYTES."""
-    return _cluster_partial_bytes(m_pad_, cluster_k) > OWN_PARTIAL_BYTES
+    0's without cluster_scatter, every CTA's with it) rather than in a buffer of their own: above own_partial_bytes
+    (KernelOptions.own_partial_bytes)."""
+    return _cluster_partial_bytes(m_pad_, cluster_k) > own_partial_bytes
+
+
+def partials_beside_ring(m_pad_: int, options: "KernelOptions") -> bool:
+    """Whether a build keeps the partials it receives in a buffer of their own in the SM's other shared-memory share
+    (KernelOptions.partials_beside): a resolved exclusive_sm cluster-split build on a share of the SM whose partials
+    would otherwise land in its drained ring, where its ring, the partials and SMEM_RESERVED fit in SMEM_BYTES."""
+    k, slots = options.cluster_k, options.smem_slots
+    if not (options.partials_beside and options.exclusive_sm and k > 1 and slots > 1
+            and (options.beside_small or partials_in_ring(m_pad_, k, options.own_partial_bytes))):
+        return False
+    ring = pipeline_stages(m_pad_, slots) * (TILE_N + m_pad_) * TILE_K * 2
+    return SMEM_RESERVED + ring + _cluster_partial_bytes(m_pad_, k) <= SMEM_BYTES
 
 
 def scatter_shares(pieces: int, cluster_k: int) -> tuple[list[int], list[int]]:
@@ -699,15 +744,16 @@ def _weight_ring_bytes(stages: int) -> int:
     return stages * TILE_N * TILE_K * 2
 
 
-def _fits_cluster(m_pad_: int, cluster_k: int, smem_slots: int) -> bool:
+def _fits_cluster(m_pad_: int, cluster_k: int, smem_slots: int, own_partial_bytes: int = OWN_PARTIAL_BYTES) -> bool:
     """A cluster-split build's received partials fit: in their own buffer, or in the receiver's weight ring."""
-    if not partials_in_ring(m_pad_, cluster_k):
-        return pipeline_stages(m_pad_, smem_slots, cluster_k) >= 2
+    if not partials_in_ring(m_pad_, cluster_k, own_partial_bytes):
+        return pipeline_stages(m_pad_, smem_slots, cluster_k, own_partial_bytes) >= 2
     return _cluster_partial_bytes(m_pad_, cluster_k) <= _weight_ring_bytes(pipeline_stages(m_pad_, smem_slots))
 
 
 def cluster_k_for(N: int, K: int, m_pad_: int, sm_count: int, ctas_per_sm: int, smem_slots: int = 0,
-                  max_k: int = MAX_CLUSTER_K, max_m_pad: int = M_PADS[-1], capacity: tuple[int, ...] = ()) -> int:
+                  max_k: int = MAX_CLUSTER_K, max_m_pad: int = M_PADS[-1], capacity: tuple[int, ...] = (),
+                  own_partial_bytes: int = OWN_PARTIAL_BYTES) -> int:
     """CTAs per row tile of a cluster-split launch for an N x K weight, or 0 where the shape takes stream-K.
 
     Every row tile gets one cluster, as many CTAs as ctas_per_sm per SM allows (at most max_k, one 64-column
@@ -723,7 +769,7 @@ def cluster_k_for(N: int, K: int, m_pad_: int, sm_count: int, ctas_per_sm: int, 
     if tiles > sm_count * ctas_per_sm:
         return 1
     cluster_k = min(max_k, k_blocks, sm_count * ctas_per_sm // tiles)
-    while cluster_k > 1 and (not _fits_cluster(m_pad_, cluster_k, smem_slots)
+    while cluster_k > 1 and (not _fits_cluster(m_pad_, cluster_k, smem_slots, own_partial_bytes)
                              or (capacity and capacity[cluster_k - 1] < tiles)):
         cluster_k -= 1
     return cluster_k
@@ -753,6 +799,8 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
             resolved = deep
     if not resolved.load_trigger or m_pad(M) > options.trigger_lead_max_m_pad:
         resolved = resolved._replace(trigger_lead=0)  # one build where the lead cannot apply
+    if not partials_beside_ring(m_pad(M), resolved):
+        resolved = resolved._replace(partials_beside=False)  # likewise
     return resolved
 
 
@@ -766,7 +814,7 @@ def _split_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
                          f"cluster size 1..{MAX_CLUSTER_K}), got {capacity!r}")
     cluster_k = cluster_k_for(N, K, m_pad(M), sm_count, options.cluster_split, options.smem_slots,
                               options.cluster_max_k, options.cluster_max_m_pad,
-                              capacity if options.cluster_fit else ())
+                              capacity if options.cluster_fit else (), options.own_partial_bytes)
     if cluster_k:
         resolved = options._replace(cluster_k=cluster_k, early_trigger=False)
         grid = grid_size(N, K, sm_count, resolved)
@@ -837,7 +885,9 @@ class WeightStreamingLinear:
         # their own or in its drained weight ring (partials_in_ring); other builds keep a 16-byte stub (a struct
         # member cannot be empty)
         self.cluster_elems = (options.cluster_k - 1) * self.partial_elems if options.cluster_k > 1 else 4
-        self.in_ring = options.cluster_k > 1 and partials_in_ring(m_pad_, options.cluster_k)
+        self.beside = partials_beside_ring(m_pad_, options)
+        self.in_ring = (options.cluster_k > 1 and not self.beside
+                        and partials_in_ring(m_pad_, options.cluster_k, options.own_partial_bytes))
         if self.in_ring and self.cluster_elems * 4 > _weight_ring_bytes(stages):
             raise ValueError(f"WeightStreamingLinear: {self.cluster_elems * 4} bytes of partials do not fit in a ring "
                              f"of {stages} stages")
@@ -1417,10 +1467,12 @@ def compile_kernel(
     tensors, num_ctas = grid_size(N, K, sm_count, options); it launches on the current torch stream.
     extra_options go to cute.compile (e.g. "--keep-ptx --dump-dir=DIR" to inspect the code).
     """
-    if options.cluster_k > 1 and not _fits_cluster(m_pad_, options.cluster_k, options.smem_slots):
+    beside = partials_beside_ring(m_pad_, options)
+    if options.cluster_k > 1 and not beside and not _fits_cluster(m_pad_, options.cluster_k, options.smem_slots,
+                                                                  options.own_partial_bytes):
         raise ValueError(f"compile_kernel: the partials of a cluster_k={options.cluster_k} build do not fit beside or "
                          f"in the ring of m_pad={m_pad_} with {options.smem_slots} CTAs per SM")
-    stages = pipeline_stages(m_pad_, options.smem_slots, options.cluster_k)
+    stages = pipeline_stages(m_pad_, options.smem_slots, options.cluster_k, options.own_partial_bytes, beside)
     kernel = WeightStreamingLinear(dtype, m_pad_, has_bias, stages, options)
     # options.trace: one more argument, the int64 [num_ctas, len(TRACE_FIELDS)] timeline
     trace = (cute.runtime.make_fake_tensor(Int64, (cute.sym_int(), len(TRACE_FIELDS)), stride=(len(TRACE_FIELDS), 1))
