@@ -9,7 +9,8 @@ For each variant (the shipped defaults, where cluster and one-CTA-per-tile launc
 SMs trigger the next launch once the TMA warp has issued its last weight load (at M <= 16 three loads before it,
 KernelOptions.trigger_lead), but for long runs on the half-SM ring
 (KernelOptions.exclusive_trigger_grid, exclusive_max_blocks), and every such launch that fits one CTA per SM asks for
-more than half an SM's shared memory, so the next launch's CTAs start only on SMs it leaves free;
+more than half an SM's shared memory, so the next launch's CTAs start only on SMs it leaves free, and keeps the
+partials its CTAs receive in the half of the SM their ring leaves (KernelOptions.partials_beside, beside_small);
 "exclusive-trigger": every such launch that fits one CTA per SM does, long runs on a half-SM ring too;
 "half-trigger": the shipped policy before,
 launches of at most half the SMs trigger after their last load and share their SMs (load_trigger_grid=0.5);

@@ -838,6 +838,20 @@ def test_cluster_split_numerics(cluster_k):
                         (1, 2, 7, 8, 9, 16, 17, 32, 33, 64), f"cluster_k={cluster_k}")
 
 
+def _launch_each(x, weight, b, builds, workspace, sm_count):
+    """y of each build (KernelOptions) launched on x, weight and b, into NaN-poisoned outputs, synchronized."""
+    (m, k), n = x.shape, weight.shape[0]
+    outs = []
+    for options in builds:
+        out = torch.full((m, n), math.nan, dtype=x.dtype, device="cuda")
+        compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(m), b is not None, "", options)
+        compiled(x, weight, b, out, workspace.partials, workspace.arrivals, _weight_map(weight).ptr,
+                 linear.grid_size(n, k, sm_count, options))
+        outs.append(out)
+    torch.cuda.synchronize()
+    return outs
+
+
 @on_gpu
 @pytest.mark.parametrize("warpgroups", [1, 2], ids=lambda w: f"wg{w}")
 @pytest.mark.parametrize("cluster_k", range(2, linear.MAX_CLUSTER_K + 1), ids=lambda c: f"k{c}")
@@ -857,14 +871,7 @@ def test_cluster_scatter_matches_reduce_bitwise(cluster_k, warpgroups):
             if cluster_k > -(-k // linear.TILE_K) or not linear._fits_cluster(linear.m_pad(m), cluster_k, 2):
                 continue
             x, weight, b = _random(m, n, k, torch.bfloat16, m % 2 == 1)
-            outs = []
-            for options in (reduce, scatter):
-                out = torch.full((m, n), math.nan, dtype=torch.bfloat16, device="cuda")
-                compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(m), b is not None, "", options)
-                compiled(x, weight, b, out, workspace.partials, workspace.arrivals, _weight_map(weight).ptr,
-                         linear.grid_size(n, k, sm_count, options))
-                outs.append(out)
-            torch.cuda.synchronize()
+            outs = _launch_each(x, weight, b, (reduce, scatter), workspace, sm_count)
             _check(outs[1], x, weight, b, f"scatter cluster_k={cluster_k} {n}x{k} M={m}")
             assert torch.equal(outs[0], outs[1]), f"cluster_k={cluster_k} {n}x{k} M={m}: scatter differs from reduce"
             checked += 1
@@ -941,14 +948,7 @@ def test_partials_in_ring_match_own_buffer_bitwise(cluster_k):
             if not linear._fits_cluster(linear.m_pad(m), cluster_k, 2):
                 continue
             x, weight, b = _random(m, n, k, torch.bfloat16, m % 2 == 1)
-            outs = []
-            for options in (own, ring, beside):
-                out = torch.full((m, n), math.nan, dtype=torch.bfloat16, device="cuda")
-                compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(m), b is not None, "", options)
-                compiled(x, weight, b, out, workspace.partials, workspace.arrivals, _weight_map(weight).ptr,
-                         linear.grid_size(n, k, sm_count, options))
-                outs.append(out)
-            torch.cuda.synchronize()
+            outs = _launch_each(x, weight, b, (own, ring, beside), workspace, sm_count)
             besides += linear.partials_beside_ring(linear.m_pad(m), beside)
             for name, out in zip(("in-ring", "beside"), outs[1:]):
                 _check(out, x, weight, b, f"{name} cluster_k={cluster_k} {n}x{k} M={m}")

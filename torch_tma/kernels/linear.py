@@ -14,9 +14,10 @@ How (160 threads per CTA; KernelOptions.consumer_warpgroups=2, a measured altern
     cluster_k CTAs (up to 8, one CTA per SM, no more than lets every tile's cluster run at once: cluster_capacity)
     each stream an equal share of the tile's K. Shipped (KernelOptions.cluster_scatter), a reduce-scatter: each
     CTA owns an equal share of the tile's outputs and sends the rest of its fp32 partial to their owners with
-    st.async, counted in bytes on the owner's mbarrier: into a buffer of its own (in a launch that has its SMs alone,
-    KernelOptions.partials_beside, in the half of the SM's shared memory its ring leaves), else into the owner's
-    weight ring once every other CTA has said (remote mbarrier arrive) that it consumed its last stage. Each owner
+    st.async, counted in bytes on the owner's mbarrier: into a buffer of its own when small, or in a launch that has
+    its SMs alone (KernelOptions.partials_beside) into one in the half of the SM's shared memory its ring leaves, else
+    into the owner's weight ring once every other CTA has said (remote mbarrier arrive) that it consumed its last
+    stage. Each owner
     adds its share's values in rank order (deterministic), adds the bias and writes them. Without it, CTA 0
     receives every partial and writes all of y (cluster_reduce). No global workspace, no atomics: CTA 0's fix-up
     cost ~0.16 us after the last block (benchmarks/trace_linear.py) instead of ~2.5 us.
@@ -95,7 +96,8 @@ MAX_CLUSTER_K = 8  # most CTAs one row tile is split across in a cluster-split b
 # A cluster's CTA 0 receives cluster_k - 1 fp32 partials of 128 x m_pad (cluster_reduce; with cluster_scatter each CTA
 # receives less, and the same rule sizes its buffer). Up to this many bytes they get a buffer of their own beside the
 # ring (what was measured at M <= 16, cluster_k <= 4); larger ones land in the receiver's ring once it has consumed its
-# last stage, so they cost no stages.
+# last stage, so they cost no stages (KernelOptions.own_partial_bytes). A launch alone on its SMs keeps either kind in
+# the half of the SM its ring leaves instead (KernelOptions.partials_beside, beside_small).
 OWN_PARTIAL_BYTES = 24 * 1024
 MAX_ROW_TILES = 1 << 16  # arrival counters per workspace: N up to 8,388,608 rows
 FIXUP_BARRIER = 1  # named barrier of the MMA threads (0 is __syncthreads)
@@ -209,7 +211,8 @@ class KernelOptions(NamedTuple):
         options_for() keeps it only where it applies and the ring, the partials and SMEM_RESERVED fit in SMEM_BYTES.
         Shipped: sweep run 26 (docs/linear.md), geomean 1.223x against 1.201x back to back and 1.099x against 1.073x
         in situ over 25 cells; 4096x4096 M=64 10.80 against 11.39 us, 4096x14336 M=64 31.06 against 31.64 us,
-        1024x4096 M=1 3.71 against 4.02 us (its 8 CTAs per tile receive 28 KiB at M=1). Sweep run 25: every cluster
+        1024x4096 M=1 3.71 against 4.02 us (its 8 CTAs per tile need a 28 KiB partials buffer at M=1, above
+        own_partial_bytes). Sweep run 25: every cluster
         build's partials in the ring (own_partial_bytes=0) lengthened 4096x4096 M=1 from 8.82 to 9.40 us, the CTAs'
         median tail from 0.31 to 0.97 us (trace run 12): the handshake this avoids.
     beside_small: with partials_beside, partials of at most own_partial_bytes move out of the ring's share too, so
