@@ -62,6 +62,19 @@ def variants(linear):
     return table
 
 
+def cta_phases(col, i):
+    """Each CTA's phases of call i in SM cycles (the per-CTA quantities of the module docstring but the fix-up), from
+    col, the trace's columns by field name."""
+    t0 = col["clk_start"][i]
+    return {
+        "issue": col["clk_first_issue"][i] - t0,
+        "wait": col["clk_wait_done"][i] - t0,
+        "ready": col["clk_first_ready"][i] - t0,
+        "stream": col["clk_last_release"][i] - col["clk_first_ready"][i],
+        "tail": col["clk_end"][i] - col["clk_last_release"][i],
+    }
+
+
 def summarize(trace, fields, calls):
     """Medians over calls of the per-call quantities in the module docstring, from trace [calls, ctas, fields]."""
     col = {f: trace[..., i].double() for i, f in enumerate(fields)}
@@ -79,14 +92,7 @@ def summarize(trace, fields, calls):
         sms = torch.bincount(trace[i, :, fields.index("sm")])
         per_call["sms"].append(float((sms > 0).sum()))
         per_call["stacked"].append(float((sms > 1).sum()))
-        t0 = col["clk_start"][i]
-        phases = {
-            "issue": col["clk_first_issue"][i] - t0,
-            "wait": col["clk_wait_done"][i] - t0,
-            "ready": col["clk_first_ready"][i] - t0,
-            "stream": col["clk_last_release"][i] - col["clk_first_ready"][i],
-            "tail": col["clk_end"][i] - col["clk_last_release"][i],
-        }
+        phases = cta_phases(col, i)
         fixers = col["fixups"][i] > 0
         if bool(fixers.any()):
             phases["fixup"] = (col["clk_end"][i] - col["clk_fixup_start"][i])[fixers]
@@ -105,16 +111,12 @@ def summarize(trace, fields, calls):
 def cta_rows(trace, fields, calls, ghz):
     """One dict per CTA of each call after the first SKIP_CALLS, from trace [calls, ctas, fields]: the call, the CTA,
     its SM, its start against the call's first CTA start and its end against the call's last CTA end (%globaltimer,
-    ns), and its phases as summarize names them (ns, from the SM clock at ghz)."""
+    ns), and its phases (cta_phases; ns, from the SM clock at ghz)."""
     col = {f: trace[..., i].double() for i, f in enumerate(fields)}
     out = []
     for i in range(SKIP_CALLS, calls):
         first, last = float(col["gt_start"][i].min()), float(col["gt_end"][i].max())
-        t0 = col["clk_start"][i]
-        phases = {"issue": col["clk_first_issue"][i] - t0, "wait": col["clk_wait_done"][i] - t0,
-                  "ready": col["clk_first_ready"][i] - t0,
-                  "stream": col["clk_last_release"][i] - col["clk_first_ready"][i],
-                  "tail": col["clk_end"][i] - col["clk_last_release"][i]}
+        phases = cta_phases(col, i)
         for cta in range(trace.shape[1]):
             row = {"call": i, "cta": cta, "sm": int(trace[i, cta, fields.index("sm")]),
                    "start_ns": float(col["gt_start"][i][cta]) - first, "end_ns": float(col["gt_end"][i][cta]) - last}

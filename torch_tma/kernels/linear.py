@@ -702,11 +702,16 @@ def pipeline_stages(m_pad_: int, smem_slots: int = 1, cluster_k: int = 0,
     is a 128 x 64 weight block and an m_pad x 64 block of x, 2-byte elements. A cluster-split build whose received
     partials are small (partials_in_ring False) keeps them beside the ring, inside its share; with beside
     (partials_beside_ring) they lie outside it, in the SM's other share, and the ring keeps its depth."""
-    stage_bytes = (TILE_N + m_pad_) * TILE_K * 2
+    stage_bytes = _stage_bytes(m_pad_)
     cta_bytes = min(SMEM_BYTES, SMEM_PER_SM // smem_slots - SMEM_PER_CTA_SYSTEM)
     in_ring = partials_in_ring(m_pad_, cluster_k, own_partial_bytes)
     own = 0 if in_ring or beside else _cluster_partial_bytes(m_pad_, cluster_k)
     return (cta_bytes - SMEM_RESERVED - own) // stage_bytes
+
+
+def _stage_bytes(m_pad_: int) -> int:
+    """Bytes of one ring stage: a 128 x 64 weight block and an m_pad x 64 block of x, 2-byte elements."""
+    return (TILE_N + m_pad_) * TILE_K * 2
 
 
 def _cluster_partial_bytes(m_pad_: int, cluster_k: int) -> int:
@@ -729,7 +734,7 @@ def partials_beside_ring(m_pad_: int, options: "KernelOptions") -> bool:
     if not (options.partials_beside and options.exclusive_sm and k > 1 and slots > 1
             and (options.beside_small or partials_in_ring(m_pad_, k, options.own_partial_bytes))):
         return False
-    ring = pipeline_stages(m_pad_, slots) * (TILE_N + m_pad_) * TILE_K * 2
+    ring = pipeline_stages(m_pad_, slots) * _stage_bytes(m_pad_)
     return SMEM_RESERVED + ring + _cluster_partial_bytes(m_pad_, k) <= SMEM_BYTES
 
 
