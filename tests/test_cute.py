@@ -5,7 +5,7 @@ atom's own bytes are available without a GPU):
   * the derived spec equals the atom's own descriptor, field by field, over the dtype x swizzle x major x
     multicast x rank matrix, on tensors other than the one each plan was made from;
   * the same against the device dumps recorded on the H200 by benchmarks/atom_matrix.py
-    (tests/data/atom_dumps.json), and the DSL's host encoding equals those dumps byte for byte;
+    (tests/data/atom_dumps.json.gz), and the DSL's host encoding equals those dumps byte for byte;
   * unsupported ops and tensors are refused by name; every DSL kernel of ours compiles for sm_90a with
     the acquire fence unpredicated before the first TMA load.
 GPU (requires_sm90, hard timeouts: TMA and mbarrier mistakes hang):
@@ -17,6 +17,7 @@ import os
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # read when CuTe DSL is imported: compile for Hopper
 
+import gzip  # noqa: E402
 import importlib.metadata  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
@@ -141,14 +142,14 @@ def smem_64x64():
 
 # ---- CPU: against the device dumps recorded on the H200 ---------------------------------------------------
 
-DUMPS = ROOT / "tests" / "data" / "atom_dumps.json"
+DUMPS = ROOT / "tests" / "data" / "atom_dumps.json.gz"
 
 
 def recorded_cells():
     if not DUMPS.exists():
         return [pytest.param(None, marks=pytest.mark.skip(
             reason=f"{DUMPS.relative_to(ROOT)} not recorded yet: run benchmarks/atom_matrix.py on the H200"))]
-    cells = json.loads(DUMPS.read_text())["cells"]
+    cells = json.loads(gzip.decompress(DUMPS.read_bytes()))["cells"]
     return [pytest.param(c, id=f"{atom_matrix.Config(**c['config']).name}-{c['size']}") for c in cells]
 
 
