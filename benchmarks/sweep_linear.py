@@ -16,7 +16,7 @@ partials its CTAs receive in the half of the SM their ring leaves (KernelOptions
 launches of at most half the SMs trigger after their last load and share their SMs (load_trigger_grid=0.5);
 "load-trigger": every cluster and one-CTA-per-tile build triggers that way and shares its SMs; "no-trigger": none
 triggers before exit; "no-lead": those that trigger after their last load do so right after it at every M (shipped:
-3 loads before it at M <= 16, KernelOptions.trigger_lead); "lead-8" and "lead-5": 8 and 5 loads before it at M <= 16;
+3 loads before it at M <= 16, KernelOptions.trigger_lead); "lead-8", "lead-5" and "lead-2": 8, 5 and 2 loads before it at M <= 16;
 "landed": the MMA warps trigger once the block the lead points at has landed (KernelOptions.trigger_point);
 "deep-pre4": the whole SM's ring with two wgmma in flight at every shape, at most 4 weight blocks requested before
 griddepcontrol.wait (KernelOptions.pre_wait_blocks); "reduce-cta0": the cluster split reducing on CTA 0, as shipped
@@ -29,7 +29,13 @@ ring's share, as before sweep run 27 (shipped since: beside it too, the ring gai
 KernelOptions.beside_small); "half-grid": at
 most 2 CTAs per row tile (cluster_max_k=2); "x-evict-last": x loads marked evict-last in L2; "full-ring": the whole
 SM's shared memory for the ring; "full-ring-wgmma2": that and a second stage's wgmma in flight (at every M; shipped only for M=64 runs of 100 blocks or more,
-KernelOptions.deep_ring_blocks); "no-deep-ring": none of them; "two-wg": two consumer warpgroups of 64 weight rows
+KernelOptions.deep_ring_blocks); "wgmma2": a second stage's wgmma in flight on the shipped rings; "no-deep-ring": none of them; "stream-k": stream-K at every shape (every SM streams an equal run, so every GPC
+a share in proportion to its SMs); "stream-k-deep": that with the whole SM's ring and two wgmma in flight; "x-mc2" and "x-mc4": launches of one CTA per
+row tile alone on their SMs in clusters of 2 (M >= 16) or 4 (M >= 32) row tiles that multicast their x loads;
+"x-place2" and "x-place4": the same clusters at M >= 16 with each CTA loading its own x (the clusters only place the
+CTAs); "fill": launches with their partials beside the ring give it all the shared memory the partials leave at
+every M (KernelOptions.ring_fill; shipped: at M=64); "fill-pre6": that with at most 6 weight blocks requested before
+the PDL wait; "no-fill": at no M, as before sweep run 32; "two-wg": two consumer warpgroups of 64 weight rows
 each; "two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier runs also swept the weight
 loaded without the L2 evict-first hint, the release form of the cluster barrier's entry arrive, the descriptor
 prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters that do not all run
@@ -93,6 +99,7 @@ def variants(linear):
         "no-lead": shipped._replace(trigger_lead=0),
         "lead-8": shipped._replace(trigger_lead=8),
         "lead-5": shipped._replace(trigger_lead=5),
+        "lead-2": shipped._replace(trigger_lead=2),
         # the MMA warps trigger once the run's last block has landed (M <= 16: the block 3 before it), not the TMA warp
         # as it issues the last load
         "landed": shipped._replace(trigger_point="landed"),
@@ -114,15 +121,36 @@ def variants(linear):
         # ... but partials small enough for a buffer in the ring's share stay there (shipped since sweep run 27: they
         # move out too and the ring gains their stages, KernelOptions.beside_small)
         "no-beside-small": shipped._replace(beside_small=False),
+        # launches with their partials beside the ring give the ring all the SM's shared memory the partials leave
+        # (KernelOptions.ring_fill; shipped at M=64 since sweep run 32) at every M, and also with at most 6 weight
+        # blocks requested before griddepcontrol.wait; "no-fill": at no M
+        "fill": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0]),
+        "fill-pre6": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0], pre_wait_blocks=6),
+        "no-fill": shipped._replace(ring_fill=False),
         # at most 2 CTAs per row tile: 4096x4096 on 64 SMs, so two launches in a row fit beside each other
         "half-grid": shipped._replace(cluster_max_k=2),
         "x-evict-last": shipped._replace(x_eviction="last"),  # x loads marked evict-last in L2
         "full-ring": shipped._replace(smem_share=1),  # the whole SM's shared memory for the ring
         # ... and a second stage's wgmma in flight, which the half-SM ring could not afford (run 5)
         "full-ring-wgmma2": shipped._replace(smem_share=1, wgmma_in_flight=2),
+        # a second stage's wgmma in flight on the shipped rings (half the SM's at M <= 32 and short M=64 runs)
+        "wgmma2": shipped._replace(wgmma_in_flight=2),
         "two-wg": shipped._replace(consumer_warpgroups=2),  # two consumer warpgroups, 64 weight rows each
         "two-wg-full-ring-wgmma2": shipped._replace(consumer_warpgroups=2, smem_share=1, wgmma_in_flight=2),
         "no-deep-ring": shipped._replace(deep_ring_blocks=0),  # M=64 long runs keep the half-SM ring, one wgmma
+        # stream-K at every shape (equal runs of weight blocks on every SM, partials summed through global memory by
+        # the last arriver; shipped only where row tiles outnumber two per SM): a launch of fewer row tiles than SMs
+        # then uses every SM, so every GPC streams a share in proportion to its SMs
+        "stream-k": shipped._replace(cluster_split=0),
+        # ... with the whole SM's ring and a second stage's wgmma in flight (the M=64 deep ring)
+        "stream-k-deep": shipped._replace(cluster_split=0, smem_share=1, wgmma_in_flight=2),
+        # launches of one CTA per row tile alone on their SMs in clusters of 2 (M >= 16) or 4 (M >= 32) row tiles
+        # whose CTAs each load a share of every x block and multicast it to the cluster (KernelOptions.x_multicast)
+        "x-mc2": shipped._replace(x_multicast=2, x_multicast_min_m_pad=16),
+        "x-mc4": shipped._replace(x_multicast=4, x_multicast_min_m_pad=32),
+        # ... the same clusters at M >= 16, each CTA loading its own x: the clusters only place the CTAs on the GPCs
+        "x-place2": shipped._replace(x_multicast=2, x_multicast_min_m_pad=16, x_shared=False),
+        "x-place4": shipped._replace(x_multicast=4, x_multicast_min_m_pad=16, x_shared=False),
     }
 
 

@@ -76,6 +76,11 @@ OPTION_VARIANTS = [
     linear.DEFAULT_OPTIONS._replace(own_partial_bytes=0),  # every cluster build's partials in the drained ring
     # alone on the SM, partials above OWN_PARTIAL_BYTES in the drained ring rather than in the SM's other half
     linear.DEFAULT_OPTIONS._replace(partials_beside=False),
+    # one-CTA-per-tile launches (10240x8192) in clusters of 2 or 4 row tiles that multicast their x loads
+    linear.DEFAULT_OPTIONS._replace(x_multicast=2, x_multicast_min_m_pad=16),
+    linear.DEFAULT_OPTIONS._replace(x_multicast=4, x_multicast_min_m_pad=32),
+    # ... clusters of 4 that only place the CTAs (each loads its own x)
+    linear.DEFAULT_OPTIONS._replace(x_multicast=4, x_multicast_min_m_pad=16, x_shared=False),
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
@@ -84,6 +89,7 @@ OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-c
               f"{'-landed' * (o.trigger_point == 'landed')}{f'-prewait{o.pre_wait_blocks}' * bool(o.pre_wait_blocks)}"
               f"{'-reduce0' * (o.cluster_split > 0 and not o.cluster_scatter)}"
               f"{'-ring' * (o.own_partial_bytes != linear.OWN_PARTIAL_BYTES)}{'-nobeside' * (o.cluster_scatter and not o.partials_beside)}"
+              f"{f'-xmc{o.x_multicast}' * (o.x_multicast > 1)}{'-place' * (o.x_multicast > 1 and not o.x_shared)}"
               for o in OPTION_VARIANTS]
 
 
@@ -916,6 +922,49 @@ def test_partials_beside_ring():
     assert kernel.beside and not kernel.in_ring
 
 
+def test_ring_fill_policy():
+    """Shipped: the ring fills what the partials beside it leave at M=64 (m_pad 64) only, where the partials lie
+    beside the ring: 4096x4096 and 4096x14336 (3 CTAs per tile) 6 stages instead of 4; never at M <= 32, nor on a
+    build without partials (10240x8192, one CTA per tile) or with the deep ring (8192x28672 at M=64)."""
+    policy = linear.DEFAULT_OPTIONS
+    assert policy.ring_fill and policy.ring_fill_min_m_pad == 64
+    for n, k in ((4096, 4096), (4096, 14336)):
+        resolved = {m: linear.options_for(policy, n, k, m, *H200) for m in (1, 16, 32, 64)}
+        assert [resolved[m].ring_fill for m in (1, 16, 32, 64)] == [False, False, False, True]
+        assert linear.ring_stages(64, resolved[64]) == 6 and linear.ring_stages(16, resolved[16]) == 6
+    for n, k in ((10240, 8192), (8192, 28672), (57344, 8192)):
+        o = linear.options_for(policy, n, k, 64, *H200)
+        assert not o.ring_fill and linear.ring_stages(64, o) == linear.ring_stages(64, o._replace(ring_fill=True))
+    with pytest.raises(ValueError, match="ring_fill_min_m_pad"):
+        policy._replace(ring_fill_min_m_pad=48).check()
+
+
+FILL_BUILDS = [(m_pad, cluster_k) for m_pad in linear.M_PADS for cluster_k in (2, 3, 4, 8)]
+
+
+@pytest.mark.parametrize("m_pad,cluster_k", FILL_BUILDS, ids=[f"m{m}-k{k}" for m, k in FILL_BUILDS])
+def test_ring_fill_takes_what_the_partials_leave(m_pad, cluster_k):
+    """KernelOptions.ring_fill: a partials_beside build's ring takes all the shared memory its partials leave, one
+    stage more would not fit, and what it launches with (SharedStorage) fits an SM; without partials beside the
+    ring it changes nothing."""
+    o = linear.DEFAULT_OPTIONS._replace(cluster_k=cluster_k, exclusive_sm=True, ring_fill=True)
+    if not linear.partials_beside_ring(m_pad, o):
+        assert linear.ring_stages(m_pad, o) == linear.ring_stages(m_pad, o._replace(ring_fill=False))
+        return
+    stages, stage = linear.ring_stages(m_pad, o), linear._stage_bytes(m_pad)
+    partials = linear._cluster_partial_bytes(m_pad, cluster_k)
+    assert stages >= linear.ring_stages(m_pad, o._replace(ring_fill=False))
+    assert linear.SMEM_RESERVED + stages * stage + partials <= linear.SMEM_BYTES
+    assert linear.SMEM_RESERVED + (stages + 1) * stage + partials > linear.SMEM_BYTES
+    kernel = linear.WeightStreamingLinear(DSL_DTYPES[torch.bfloat16], m_pad, False, stages, o)
+    cute.compile(kernel, *linear._fake_problem(DSL_DTYPES[torch.bfloat16], False), Int64(0), Int32(1),
+                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), None,
+                 options="--gpu-arch sm_90a --enable-tvm-ffi")
+    assert kernel.shared_storage.size_in_bytes() <= linear.SMEM_BYTES
+    if (m_pad, cluster_k) == (64, 3):
+        assert stages == 6 and linear.ring_stages(16, o) == 11
+
+
 @pytest.mark.parametrize("m_pad", [32, 64])
 def test_partials_beside_build_has_no_drained_handshake(m_pad, tmp_path):
     """A partials_beside build of 3 CTAs per tile sends every piece it does not own with st.async and never arrives on
@@ -928,6 +977,77 @@ def test_partials_beside_build_has_no_drained_handshake(m_pad, tmp_path):
         ptx, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, dump, options)
         assert len(DRAINED_ARRIVE.findall(ptx)) == drained, options.partials_beside
         assert len(ST_ASYNC_SEND.findall(ptx)) == m_pad // 4
+
+
+def test_x_cluster_policy():
+    """x_multicast groups row tiles of a one-CTA-per-tile launch alone on its SMs where M pads to at least
+    x_multicast_min_m_pad, the tiles make whole clusters that all fit at once and each CTA's share of an x block is
+    whole 8-row swizzle atoms; never otherwise, and never by default."""
+    policy = linear.DEFAULT_OPTIONS._replace(x_multicast=2, x_multicast_min_m_pad=32)
+    for m, want in ((64, 2), (33, 2), (32, 2), (16, 0), (1, 0)):
+        o = linear.options_for(policy, 10240, 8192, m, *H200)
+        assert o.cluster_k == 1 and o.x_cluster == want, (m, o)
+        assert linear.grid_size(10240, 8192, 132, o) == 80
+    for n, k in ((4096, 4096), (28672, 4096), (57344, 8192), (10240 + 128, 8192)):  # split, two per SM, stream-K, odd
+        assert linear.options_for(policy, n, k, 64, *H200).x_cluster == 0, (n, k)
+    assert linear.options_for(policy, 10240, 8192, 64, 132, (132, 39, 39, 30, 22, 17, 15, 15)).x_cluster == 0
+    four = policy._replace(x_multicast=4, x_multicast_min_m_pad=16)
+    assert [linear.options_for(four, 10240, 8192, m, *H200).x_cluster for m in (16, 32, 64)] == [0, 4, 4]
+    # clusters that only place their CTAs (x_shared False) cut no x block: m_pad 16 in clusters of 4 too
+    place = four._replace(x_shared=False)
+    assert [linear.options_for(place, 10240, 8192, m, *H200).x_cluster for m in (8, 16, 64)] == [0, 4, 4]
+    for m in (1, 16, 32, 64):
+        assert linear.options_for(linear.DEFAULT_OPTIONS, 10240, 8192, m, *H200).x_cluster == 0
+    # a CTA past the last row tile makes the cluster whole: 3 tiles in clusters of 2 are 4 CTAs
+    o = linear.options_for(policy, 10240, 8192, 64, *H200)
+    assert linear.grid_size(300, 200, 132, o) == 4 and linear.grid_size(129, 72, 132, o._replace(x_cluster=4)) == 4
+    with pytest.raises(ValueError, match="x_cluster"):
+        o._replace(cluster_k=2).check()
+    with pytest.raises(ValueError, match="x_cluster"):
+        linear.WeightStreamingLinear(DSL_DTYPES[torch.bfloat16], 16, False, 4, o._replace(x_cluster=4))
+
+
+@pytest.mark.parametrize("x_cluster", [2, 4])
+def test_x_multicast_build_multicasts_x(x_cluster, tmp_path):
+    """An x_cluster build loads x with multicast TMA only (before and after the PDL wait), still loads the weight
+    through the fenced cache descriptor, and releases each stage on every CTA of its cluster (remote arrives)."""
+    o = linear.options_for(linear.DEFAULT_OPTIONS._replace(x_multicast=x_cluster, x_multicast_min_m_pad=32), 10240,
+                           8192, 64, *H200)
+    assert o.x_cluster == x_cluster
+    ptx, _ = _ptx_and_cubin(torch.bfloat16, 64, False, tmp_path, o)
+    (fenced,) = re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.sys \[(%rd\d+)\], 128;", ptx)
+    assert TMA_LOAD_DESCRIPTOR.findall(ptx) == [fenced, fenced]  # the weight, before and after the wait
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\S*\.multicast::cluster", ptx)) == 2
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == 4
+    assert "mbarrier.arrive.shared::cluster.b64" in ptx
+
+
+@on_gpu
+@pytest.mark.parametrize("shared", [True, False], ids=["multicast", "place"])
+@pytest.mark.parametrize("x_cluster", [2, 4], ids=lambda c: f"x{c}")
+def test_x_multicast_matches_plain_bitwise(x_cluster, shared):
+    """Clusters of x_cluster row tiles that multicast their x loads (or only share a cluster) give y bit for bit
+    equal to the same build without clusters, and matching the float64 reference: on fresh random data, the policy's
+    builds at every m_pad it allows (the deep ring at M=64), row tiles that fill the clusters and ones that leave CTAs
+    past the last tile (3 tiles in clusters of 2 or 4, 2 in 4), ragged K, bias at odd M; y poisoned with NaN before
+    each launch."""
+    policy = linear.DEFAULT_OPTIONS._replace(x_multicast=x_cluster, x_multicast_min_m_pad=8, x_shared=shared)
+    workspace = linear._workspace(0)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    checked = 0
+    for m in (9, 16, 17, 32, 33, 64):
+        o = linear.options_for(policy, 10240, 8192, m, sm_count, linear.cluster_capacity(0))
+        if shared and linear.m_pad(m) // x_cluster < 8:
+            assert o.x_cluster == 0
+            continue
+        assert o.x_cluster == x_cluster, o
+        for n, k in [(10240, 8192), (300, 200), (129, 72), (1024, 4104)]:
+            x, weight, b = _random(m, n, k, torch.bfloat16, m % 2 == 1)
+            plain, multicast = _launch_each(x, weight, b, (o._replace(x_cluster=0), o), workspace, sm_count)
+            _check(multicast, x, weight, b, f"x_cluster={x_cluster} {n}x{k} M={m}")
+            assert torch.equal(plain, multicast), f"x_cluster={x_cluster} {n}x{k} M={m}: differs from per-CTA x"
+            checked += 1
+    assert checked >= 12, checked
 
 
 @on_gpu
@@ -1111,7 +1231,7 @@ def test_kernel_options_chained_eager_and_graph(options):
     matches the reference and the shared arrival counters are zero after each chain."""
     dtype = torch.bfloat16
     cases = [(1, 4096, 4096, False), (16, 6144, 4096, True), (64, 1000, 1000, True), (5, 10240, 8192, False),
-             (33, 129, 72, False), (1, 4096, 4096, True)]
+             (33, 129, 72, False), (32, 10240, 8192, True), (1, 4096, 4096, True)]
     problems = []
     for m, n, k, bias in cases:
         x, weight, b = _random(m, n, k, dtype, bias)

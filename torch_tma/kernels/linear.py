@@ -15,7 +15,8 @@ How (160 threads per CTA; KernelOptions.consumer_warpgroups=2, a measured altern
     each stream an equal share of the tile's K. Shipped (KernelOptions.cluster_scatter), a reduce-scatter: each
     CTA owns an equal share of the tile's outputs and sends the rest of its fp32 partial to their owners with
     st.async, counted in bytes on the owner's mbarrier: into a buffer of its own when small, or in a launch that has
-    its SMs alone (KernelOptions.partials_beside) into one in the half of the SM's shared memory its ring leaves, else
+    its SMs alone (KernelOptions.partials_beside) into one in the half of the SM's shared memory its ring leaves (at
+    M=64 the ring takes all the partials leave, KernelOptions.ring_fill), else
     into the owner's weight ring once every other CTA has said (remote mbarrier arrive) that it consumed its last
     stage. Each owner
     adds its share's values in rank order (deterministic), adds the bias and writes them. Without it, CTA 0
@@ -57,7 +58,7 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int16, Int32, Int64
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
@@ -221,6 +222,15 @@ class KernelOptions(NamedTuple):
         back and 1.086x against 1.081x in situ over 12 cells; 6144x4096 M=32 15.19 against 15.91 us in situ,
         8192x28672 M=32 106.75 against 108.00 us back to back; it lost 4096x14336 M=16 back to back (29.52 against
         29.31 us) and M=32 in situ (31.14 against 30.84 us).
+    ring_fill: with partials_beside (a cluster build alone on its SMs, its partials in a buffer of their own), the ring
+        takes all the shared memory the partials leave instead of half the SM's: at M=64 with 3 CTAs per tile 6 stages
+        instead of 4, at M=16 11 instead of 6 (ring_stages). options_for() keeps it where M pads to at least
+        ring_fill_min_m_pad and the partials lie beside the ring. Shipped at M=64 (ring_fill_min_m_pad=64): sweep
+        run 32 (docs/linear.md), 4096x4096 M=64 10.42 against 10.95 us back to back and 12.34 against 12.63 in situ,
+        4096x14336 M=64 31.10 against 31.66 and 32.66 against 33.56; at M <= 32 it won 9 of 12 cells back to back
+        (6144x4096 M=16 12.70 against 14.03 us) and lost all 12 in situ (4096x14336 M=16 33.60 against 30.90 us),
+        for reasons not established (docs/linear.md).
+    ring_fill_min_m_pad: the bound of ring_fill's policy above, one of M_PADS.
     pre_wait_blocks: with weight_before_wait, at most this many weight blocks go out before griddepcontrol.wait
         (0: the whole ring); the rest of the ring fills after the wait. A deep ring asks DRAM for all its stages at
         once and its first stage lands last (docs/linear.md, trace run 8); a smaller first request lands it sooner.
@@ -255,6 +265,22 @@ class KernelOptions(NamedTuple):
         at once with one CTA per SM (cluster_capacity: clusters live inside one GPC, so an H200 places 30 clusters of
         4 that way, not 33). False keeps sm_count // row tiles: 32 row tiles then get clusters of 4, and 8 SMs run
         two CTAs.
+    x_multicast: a policy for builds of one CTA per row tile (cluster_k 1): options_for() groups that many adjacent row
+        tiles in one thread-block cluster (x_cluster) where M pads to at least x_multicast_min_m_pad, every tile's
+        cluster fits at once (cluster_capacity) and, with x_shared, each CTA's share of an x block keeps whole 8-row
+        swizzle atoms (m_pad / x_multicast >= 8); 0 or 1: never. Every CTA of such a launch reads the same x block at each step, so
+        each loads 1 / x_cluster of it and multicasts it to the whole cluster: x leaves L2 once per cluster instead of
+        once per CTA (at M=64, x is half as many bytes as the weight per CTA). Measured, not shipped (0): sweep run 29
+        (docs/linear.md), 10240x8192 M=64 46.74 (2) and 51.23 us (4) against 44.84 us back to back, 44.33 and 43.88
+        against 45.88 us in situ; it lost at M=32 both ways.
+    x_multicast_min_m_pad: the bound of x_multicast's policy above, one of M_PADS.
+    x_cluster: CTAs (adjacent row tiles) per cluster of such a build, 0 or 1 for none. Static: set by options_for().
+        With x_shared, a stage is free only once every CTA of the cluster has consumed it (each consumer warp releases
+        it on every CTA's barrier), since every CTA writes its share of x into all of them.
+    x_shared: the CTAs of an x_cluster build share their x loads by multicast (above); False: each loads all of x
+        itself and the cluster only places its CTAs (the GPU runs a cluster inside one GPC). Sweep run 31: placement
+        alone took 10240x8192 M=64 to 45.34 (2) and 45.65 us (4) against 46.48 in situ and 46.72 and 50.29 against
+        44.34 back to back; 80 CTAs in clusters of 4 still crowded some GPCs (docs/linear.md).
     deep_ring_blocks: the deep-ring policy: options_for() gives a build of the largest m_pad (64) whose CTAs each stream
         at least this many 64-column weight blocks the whole SM's shared memory for the ring (smem_share=1) and a
         second stage's wgmma in flight (wgmma_in_flight=2), where that leaves the launch's decomposition (cluster_k
@@ -314,12 +340,18 @@ class KernelOptions(NamedTuple):
     own_partial_bytes: int = OWN_PARTIAL_BYTES
     partials_beside: bool = False
     beside_small: bool = False
+    ring_fill: bool = False
+    ring_fill_min_m_pad: int = M_PADS[0]
     exclusive_sm: bool = False
     cluster_split: int = 0
     cluster_k: int = 0
     cluster_max_k: int = MAX_CLUSTER_K
     cluster_max_m_pad: int = M_PADS[-1]
     cluster_fit: bool = False
+    x_multicast: int = 0
+    x_multicast_min_m_pad: int = M_PADS[-1]
+    x_cluster: int = 0
+    x_shared: bool = True
     wgmma_in_flight: int = 1
     consumer_warpgroups: int = 1
     deep_ring_blocks: int = 0
@@ -396,6 +428,9 @@ class KernelOptions(NamedTuple):
                              f"{self.trigger_lead!r}, {self.trigger_lead_max_m_pad!r}")
         if self.trigger_point not in ("issue", "landed"):
             raise ValueError(f"KernelOptions.trigger_point must be 'issue' or 'landed', got {self.trigger_point!r}")
+        if self.ring_fill_min_m_pad not in M_PADS:
+            raise ValueError(f"KernelOptions.ring_fill_min_m_pad must be one of {M_PADS}, got "
+                             f"{self.ring_fill_min_m_pad!r}")
         if self.pre_wait_blocks < 0:
             raise ValueError(f"KernelOptions.pre_wait_blocks must be >= 0, got {self.pre_wait_blocks!r}")
         if self.own_partial_bytes < 0:
@@ -414,6 +449,14 @@ class KernelOptions(NamedTuple):
         if self.cluster_fit and self.cluster_split == 2:
             raise ValueError("KernelOptions.cluster_fit counts clusters at one CTA per SM: it cannot go with "
                              "cluster_split=2")
+        if self.x_multicast not in (0, 1, 2, 4) or self.x_cluster not in (0, 1, 2, 4) or (
+                self.x_multicast_min_m_pad not in M_PADS):
+            raise ValueError(f"KernelOptions.x_multicast and x_cluster must be 0, 1, 2 or 4 and x_multicast_min_m_pad "
+                             f"one of {M_PADS}, got {self.x_multicast!r}, {self.x_cluster!r}, "
+                             f"{self.x_multicast_min_m_pad!r}")
+        if self.x_cluster > 1 and (self.cluster_k != 1 or self.ctas_per_sm != 1):
+            raise ValueError(f"KernelOptions.x_cluster={self.x_cluster} needs a build of one CTA per row tile "
+                             f"(cluster_k=1, ctas_per_sm=1), got cluster_k={self.cluster_k!r}")
         if not 1 <= self.cluster_max_k <= MAX_CLUSTER_K or self.cluster_max_m_pad not in M_PADS:
             raise ValueError(f"KernelOptions.cluster_max_k must be 1..{MAX_CLUSTER_K} and cluster_max_m_pad one of "
                              f"{M_PADS}, got {self.cluster_max_k!r}, {self.cluster_max_m_pad!r}")
@@ -496,11 +539,18 @@ class KernelOptions(NamedTuple):
 # Sweep runs 21 and 22 (docs/results/sweep-linear-h200-run{21,22}.*): those launches triggering 3 loads before their last
 # (trigger_lead) at M <= 16 took 4096x4096 M=1 from 9.32 to 8.76 us and 6144x4096 M=1 from 14.39 to 13.59 (run 22),
 # geomean 1.155x against 1.142x over M 1-32 back to back, in situ the same 1.074x; at M=32-64 the lead lost (run 21).
+# Sweep runs 24-27: the reduce-scatter (cluster_scatter) and the partials beside the ring (partials_beside,
+# beside_small); see their docstrings. Sweep run 32 (docs/results/sweep-linear-h200-run32.*): the ring filling what
+# the partials beside it leave (ring_fill) won 7 of the 8 M=64 cells, back to back and in situ (it lost 1024x4096 in situ
+# by 0.06 us), and lost every in-situ cell at M <= 32, so it ships at M=64 (ring_fill_min_m_pad). Measured and not shipped, sweep runs 28-31 (docs/linear.md): stream-K at
+# every shape (its fix-up cost 4-5 us at 10240x8192 M=64), x multicast and cluster placement for one-CTA-per-tile
+# launches (x_multicast, x_shared), a second wgmma on the half ring and leads of 2 and 5 loads.
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                                 cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
                                 weight_eviction="first", exclusive_trigger_grid=0.75, exclusive_max_blocks=100,
                                 deep_ring_blocks=100, trigger_lead=3, trigger_lead_max_m_pad=16,
-                                cluster_scatter=True, partials_beside=True, beside_small=True)
+                                cluster_scatter=True, partials_beside=True, beside_small=True, ring_fill=True,
+                                ring_fill_min_m_pad=64)
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -697,16 +747,26 @@ def m_pad(M: int) -> int:
 
 
 def pipeline_stages(m_pad_: int, smem_slots: int = 1, cluster_k: int = 0,
-                    own_partial_bytes: int = OWN_PARTIAL_BYTES, beside: bool = False) -> int:
+                    own_partial_bytes: int = OWN_PARTIAL_BYTES, beside: bool = False, fill: bool = False) -> int:
     """Stages of the TMA ring that fit in one CTA's share (1 / smem_slots) of an SM's shared memory; a stage
     is a 128 x 64 weight block and an m_pad x 64 block of x, 2-byte elements. A cluster-split build whose received
     partials are small (partials_in_ring False) keeps them beside the ring, inside its share; with beside
-    (partials_beside_ring) they lie outside it, in the SM's other share, and the ring keeps its depth."""
+    (partials_beside_ring) they lie outside it, in the SM's other share, and the ring keeps its depth; with fill too
+    (KernelOptions.ring_fill) the ring takes all the CTA's shared memory the partials leave."""
     stage_bytes = _stage_bytes(m_pad_)
+    if beside and fill:
+        return (SMEM_BYTES - SMEM_RESERVED - _cluster_partial_bytes(m_pad_, cluster_k)) // stage_bytes
     cta_bytes = min(SMEM_BYTES, SMEM_PER_SM // smem_slots - SMEM_PER_CTA_SYSTEM)
     in_ring = partials_in_ring(m_pad_, cluster_k, own_partial_bytes)
     own = 0 if in_ring or beside else _cluster_partial_bytes(m_pad_, cluster_k)
     return (cta_bytes - SMEM_RESERVED - own) // stage_bytes
+
+
+def ring_stages(m_pad_: int, options: "KernelOptions") -> int:
+    """Stages of the ring of a resolved build (options_for): pipeline_stages for its share of the SM, partials and
+    KernelOptions.ring_fill."""
+    return pipeline_stages(m_pad_, options.smem_slots, options.cluster_k, options.own_partial_bytes,
+                           partials_beside_ring(m_pad_, options), options.ring_fill)
 
 
 def _stage_bytes(m_pad_: int) -> int:
@@ -790,9 +850,10 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
     (load_trigger) where its grid is at most options.load_trigger_grid of the SMs, or options.exclusive_trigger_grid
     and its run is not a long one on a half-SM ring, trigger_lead loads before the last where M pads to at most
     trigger_lead_max_m_pad; with exclusive_trigger_grid above 0, such a build whose grid fits
-    one CTA per SM takes its SMs alone (exclusive_sm); and at M_PADS[-1], the
+    one CTA per SM takes its SMs alone (exclusive_sm); at M_PADS[-1], the
     deep ring with two wgmma in flight where each CTA streams at least options.deep_ring_blocks blocks and the
-    decomposition stays the same. capacity: the GPU's cluster_capacity, needed when options.cluster_fit.
+    decomposition stays the same; and x_cluster from the x_multicast policy (x_cluster_for). capacity: the GPU's
+    cluster_capacity, needed when options.cluster_fit.
 
     Why not early: with the trigger at CTA start, the next launch's CTAs take the second slot of SMs this launch
     runs on, and cluster placement then piles two CTAs of one launch on many SMs (benchmarks/trace_linear.py on
@@ -809,7 +870,24 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
         resolved = resolved._replace(trigger_lead=0)  # one build where the lead cannot apply
     if not partials_beside_ring(m_pad(M), resolved):
         resolved = resolved._replace(partials_beside=False)  # likewise
-    return resolved
+    if not resolved.partials_beside or m_pad(M) < options.ring_fill_min_m_pad:
+        resolved = resolved._replace(ring_fill=False)  # likewise
+    return resolved._replace(x_cluster=x_cluster_for(N, m_pad(M), resolved, capacity))
+
+
+def x_cluster_for(N: int, m_pad_: int, options: "KernelOptions", capacity: tuple[int, ...] = ()) -> int:
+    """Row tiles per cluster whose CTAs share their x loads by multicast (KernelOptions.x_multicast), or 0: a build of
+    one CTA per row tile and per SM (cluster_k 1, the grid within the SMs), M padded to at least x_multicast_min_m_pad,
+    a whole number of clusters that all run at once (given capacity, cluster_capacity) and, with x_shared, a share of
+    each x block of whole 8-row swizzle atoms."""
+    c, tiles = options.x_multicast, -(-N // TILE_N)
+    if (c < 2 or options.cluster_k != 1 or options.ctas_per_sm != 1 or options.smem_slots > 1 and not
+            options.exclusive_sm or m_pad_ < options.x_multicast_min_m_pad or options.x_shared and m_pad_ // c < 8
+            or tiles % c):
+        return 0
+    if capacity and capacity[c - 1] < tiles // c:
+        return 0
+    return c
 
 
 def _split_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
@@ -848,11 +926,13 @@ def _blocks_per_cta(N: int, K: int, sm_count: int, options: "KernelOptions") -> 
 
 def grid_size(N: int, K: int, sm_count: int, options: "KernelOptions") -> int:
     """CTAs of one launch: stream-K, ctas_per_sm per SM (one wave), never more than there are weight blocks;
-    cluster split (options.cluster_k), cluster_k per row tile."""
+    cluster split (options.cluster_k), cluster_k per row tile; with x_cluster, whole clusters of that many row tiles
+    (a CTA past the last row tile loads zeros and stores nothing)."""
     if options.cluster_k:
         if options.cluster_k > -(-K // TILE_K):
             raise ValueError(f"grid_size: cluster_k={options.cluster_k} is more CTAs than K={K} has 64-column blocks")
-        return -(-N // TILE_N) * options.cluster_k
+        tiles, per_cluster = -(-N // TILE_N), max(1, options.x_cluster)
+        return -(-tiles // per_cluster) * per_cluster * options.cluster_k
     return min(sm_count * options.ctas_per_sm, _iteration_count(N, K))
 
 
@@ -894,6 +974,11 @@ class WeightStreamingLinear:
         # member cannot be empty)
         self.cluster_elems = (options.cluster_k - 1) * self.partial_elems if options.cluster_k > 1 else 4
         self.beside = partials_beside_ring(m_pad_, options)
+        self.x_cluster = max(1, options.x_cluster)  # CTAs (row tiles) per cluster of a one-CTA-per-tile build
+        self.x_mcast = self.x_cluster if options.x_shared else 1  # CTAs that share each x block (1: none)
+        if m_pad_ // self.x_mcast < 8:
+            raise ValueError(f"WeightStreamingLinear: x_cluster={self.x_cluster} cuts an x block of {m_pad_} rows into "
+                             f"shares of fewer than 8 rows (one 128B swizzle atom)")
         self.in_ring = (options.cluster_k > 1 and not self.beside
                         and partials_in_ring(m_pad_, options.cluster_k, options.own_partial_bytes))
         if self.in_ring and self.cluster_elems * 4 > _weight_ring_bytes(stages):
@@ -926,8 +1011,10 @@ class WeightStreamingLinear:
         w_atom, w_coords = cpasync.make_tiled_tma_atom(
             load_op, weight, cute.slice_(w_smem, (None, None, 0)), (TILE_N, TILE_K)
         )
+        # x_shared: each CTA of an x_cluster loads 1 / x_cluster of every x block and multicasts it to all of them
         x_atom, x_coords = cpasync.make_tiled_tma_atom(
-            load_op, x, cute.slice_(x_smem, (None, None, 0)), (self.m_pad, TILE_K)
+            cpasync.CopyBulkTensorTileG2SMulticastOp() if self.x_mcast > 1 else load_op, x,
+            cute.slice_(x_smem, (None, None, 0)), (self.m_pad, TILE_K), num_multicast=self.x_mcast,
         )
 
         cluster_k = self.options.cluster_k
@@ -951,9 +1038,11 @@ class WeightStreamingLinear:
             trace,
         )
         if cutlass.const_expr(cluster_k):
-            row_tiles = cute.ceil_div(weight.shape[0], TILE_N)
-            kernel.launch(grid=[cluster_k, row_tiles, 1], block=[self.options.threads, 1, 1],
-                          cluster=[cluster_k, 1, 1], stream=stream, use_pdl=self.options.pdl, smem=smem)
+            # one cluster per row tile (cluster_k CTAs) or per x_cluster row tiles (one CTA each)
+            clusters = cute.ceil_div(cute.ceil_div(weight.shape[0], TILE_N), self.x_cluster)
+            kernel.launch(grid=[cluster_k * self.x_cluster, clusters, 1], block=[self.options.threads, 1, 1],
+                          cluster=[cluster_k * self.x_cluster, 1, 1], stream=stream, use_pdl=self.options.pdl,
+                          smem=smem)
         else:
             kernel.launch(grid=[num_ctas, 1, 1], block=[self.options.threads, 1, 1], stream=stream,
                           use_pdl=self.options.pdl, smem=smem)
@@ -980,9 +1069,12 @@ class WeightStreamingLinear:
         cta, cluster_tile, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
         cluster_k = self.options.cluster_k
+        x_rank = 0  # the CTA's share of each x block (x_shared)
         if cutlass.const_expr(cluster_k):
-            rank = cta  # grid x is the CTA's rank in its cluster, grid y the row tile
-            cta = cluster_tile * cluster_k + rank
+            rank = cta  # grid x is the CTA's rank in its cluster, grid y the cluster
+            cta = cluster_tile * cluster_k * self.x_cluster + rank
+            if cutlass.const_expr(self.x_mcast > 1):
+                x_rank = rank
         if cutlass.const_expr(self.options.trace):
             if tidx == 0:
                 trace[cta, 0] = cute.arch.globaltimer()
@@ -1001,15 +1093,30 @@ class WeightStreamingLinear:
         stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(w_smem, (None, None, 0))) + cute.size_in_bytes(
             self.dtype, cute.slice_(x_smem, (None, None, 0))
         )
-        loads = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.stage_barriers.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # consumer_release arrives once per MMA warp (lane 0)
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
-            tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
+        if cutlass.const_expr(self.x_mcast > 1):
+            # every CTA of the cluster writes its share of x into each CTA's stage: a stage's empty barrier counts one
+            # release per MMA warp of every CTA (lanes 0..x_cluster-1 arrive remotely), and the cluster syncs once
+            # here, before any CTA's multicast can reach another's barriers
+            loads = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.stage_barriers.data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
+                tx_count=stage_bytes,
+                cta_layout_vmnk=cute.make_layout((1, self.x_mcast, 1, 1)),
+                mcast_mode_mn=(0, 1),
+                enable_multicast_signaling=True,
+            )
+        else:
+            loads = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.stage_barriers.data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                # consumer_release arrives once per MMA warp (lane 0)
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
+                tx_count=stage_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            )
         w_tiles = storage.w_tiles.get_tensor(w_smem.outer, swizzle=w_smem.inner)
         x_tiles = storage.x_tiles.get_tensor(x_smem.outer, swizzle=x_smem.inner)
 
@@ -1017,7 +1124,10 @@ class WeightStreamingLinear:
         total = cute.ceil_div(w_coords.shape[0], TILE_N) * k_blocks
         run_begin = cta * total // num_ctas
         run_end = (cta + 1) * total // num_ctas
-        if cutlass.const_expr(cluster_k):
+        if cutlass.const_expr(self.x_cluster > 1):
+            run_begin = cta * k_blocks  # row tile cta, all of its K
+            run_end = run_begin + k_blocks
+        elif cutlass.const_expr(cluster_k):
             run_begin = cluster_tile * k_blocks + rank * k_blocks // cluster_k
             run_end = cluster_tile * k_blocks + (rank + 1) * k_blocks // cluster_k
         if cutlass.const_expr(self.in_ring):
@@ -1066,7 +1176,7 @@ class WeightStreamingLinear:
         if warp_idx == self.options.producer_warp:
             self.load_run(
                 w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
-                trace, cta, tidx,
+                trace, cta, tidx, x_rank,
             )
         if warp_idx < self.options.producer_warp:
             if cutlass.const_expr(self.options.pdl):
@@ -1085,9 +1195,10 @@ class WeightStreamingLinear:
     @cute.jit
     def load_run(
         self, w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
-        trace, cta, tidx,
+        trace, cta, tidx, x_rank,
     ):
-        """Warp 4: TMA-load weight block (tile, kb) and x block kb for every iteration of this CTA's run."""
+        """Warp 4: TMA-load weight block (tile, kb) and x block kb for every iteration of this CTA's run (with
+        x_shared, its share x_rank of x block kb, multicast to the cluster)."""
         # outside the elected copy branches, with the acquire fence; None: the atom's own descriptor (a kernel parameter)
         weight_map_ptr = (tma_desc_ptr(weight_map, scope=self.options.fence_scope)
                           if cutlass.const_expr(self.options.weight_descriptor == "cache") else None)
@@ -1130,9 +1241,9 @@ class WeightStreamingLinear:
                     trace[cta, 4] = cute.arch.clock64()
             x_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             for _ in cutlass.range(run_begin, first, unroll=1):
-                x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, x_col, self.m_pad)
-                cute.copy(x_atom, x_src, x_smem_dst[(None, x_state.index)],
-                          tma_bar_ptr=loads.producer_get_barrier(x_state), cache_policy=x_policy)
+                x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, x_col, self.m_pad, x_rank, self.x_mcast)
+                self._x_copy(x_atom, x_src, x_smem_dst[(None, x_state.index)], loads.producer_get_barrier(x_state),
+                             x_policy)
                 x_state.advance()
                 x_col = x_col + TILE_K
                 if x_col == k_blocks * TILE_K:
@@ -1147,12 +1258,12 @@ class WeightStreamingLinear:
         trigger_at = run_end - 1 - self.options.trigger_lead
         for i in cutlass.range(first, run_end, unroll=1):
             w_smem_dst, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
-            x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, col, self.m_pad)
+            x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, col, self.m_pad, x_rank, self.x_mcast)
             loads.producer_acquire(state)  # waits for the slot, then expects stage_bytes on its barrier
             barrier = loads.producer_get_barrier(state)
             cute.copy(w_atom, w_src, w_smem_dst[(None, state.index)], tma_bar_ptr=barrier, tma_desc_ptr=weight_map_ptr,
                       cache_policy=w_policy)
-            cute.copy(x_atom, x_src, x_smem_dst[(None, state.index)], tma_bar_ptr=barrier, cache_policy=x_policy)
+            self._x_copy(x_atom, x_src, x_smem_dst[(None, state.index)], barrier, x_policy)
             state.advance()
             if cutlass.const_expr(self.options.trace and not self.options.weight_before_wait):
                 if tidx == self.options.producer_warp * 32 and state.count == 1:
@@ -1170,10 +1281,20 @@ class WeightStreamingLinear:
         loads.producer_tail(state)
 
     @staticmethod
-    def _block(atom, coords, smem, row, col, rows):
-        """(smem destination per stage, global source) of the rows x TILE_K block at element (row, col)."""
+    def _block(atom, coords, smem, row, col, rows, rank=0, ctas=1):
+        """(smem destination per stage, global source) of the rows x TILE_K block at element (row, col); with ctas
+        > 1, the share of CTA `rank` of a multicast atom's block (the rows cut in ctas equal runs)."""
         block = cute.local_tile(cute.domain_offset((row, col), coords), (rows, TILE_K), (0, 0))
-        return cpasync.tma_partition(atom, 0, cute.make_layout(1), smem, cute.group_modes(block, 0, 2))
+        return cpasync.tma_partition(atom, rank, cute.make_layout(ctas), smem, cute.group_modes(block, 0, 2))
+
+    @cute.jit
+    def _x_copy(self, x_atom, src, dst, barrier, policy):
+        """One x load: this CTA's share multicast to every CTA of its cluster with x_shared, else the whole block."""
+        if cutlass.const_expr(self.x_mcast > 1):
+            cute.copy(x_atom, src, dst, tma_bar_ptr=barrier, mcast_mask=Int16((1 << self.x_mcast) - 1),
+                      cache_policy=policy)
+        else:
+            cute.copy(x_atom, src, dst, tma_bar_ptr=barrier, cache_policy=policy)
 
     @cute.jit
     def mma_run(
@@ -1480,7 +1601,7 @@ def compile_kernel(
                                                                   options.own_partial_bytes):
         raise ValueError(f"compile_kernel: the partials of a cluster_k={options.cluster_k} build do not fit beside or "
                          f"in the ring of m_pad={m_pad_} with {options.smem_slots} CTAs per SM")
-    stages = pipeline_stages(m_pad_, options.smem_slots, options.cluster_k, options.own_partial_bytes, beside)
+    stages = ring_stages(m_pad_, options)
     kernel = WeightStreamingLinear(dtype, m_pad_, has_bias, stages, options)
     # options.trace: one more argument, the int64 [num_ctas, len(TRACE_FIELDS)] timeline
     trace = (cute.runtime.make_fake_tensor(Int64, (cute.sym_int(), len(TRACE_FIELDS)), stride=(len(TRACE_FIELDS), 1))
