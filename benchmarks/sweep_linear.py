@@ -34,7 +34,7 @@ a share in proportion to its SMs); "stream-k-deep": that with the whole SM's rin
 row tile alone on their SMs in clusters of 2 (M >= 16) or 4 (M >= 32) row tiles that multicast their x loads;
 "x-place2" and "x-place4": the same clusters at M >= 16 with each CTA loading its own x (the clusters only place the
 CTAs); "fill": launches with their partials beside the ring give it all the shared memory the partials leave at
-every M (KernelOptions.ring_fill; shipped: at M=64); "fill-pre6": that with at most 6 weight blocks requested before
+every M (KernelOptions.ring_fill; shipped: for m_pad 64, M 33-64); "fill-pre6": that with at most 6 weight blocks requested before
 the PDL wait; "no-fill": at no M, as before sweep run 32; "two-wg": two consumer warpgroups of 64 weight rows
 each; "two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier runs also swept the weight
 loaded without the L2 evict-first hint, the release form of the cluster barrier's entry arrive, the descriptor
@@ -122,7 +122,7 @@ def variants(linear):
         # move out too and the ring gains their stages, KernelOptions.beside_small)
         "no-beside-small": shipped._replace(beside_small=False),
         # launches with their partials beside the ring give the ring all the SM's shared memory the partials leave
-        # (KernelOptions.ring_fill; shipped at M=64 since sweep run 32) at every M, and also with at most 6 weight
+        # (KernelOptions.ring_fill; shipped for m_pad 64 since sweep run 32) at every M, and also with at most 6 weight
         # blocks requested before griddepcontrol.wait; "no-fill": at no M
         "fill": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0]),
         "fill-pre6": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0], pre_wait_blocks=6),

@@ -225,7 +225,8 @@ class KernelOptions(NamedTuple):
     ring_fill: with partials_beside (a cluster build alone on its SMs, its partials in a buffer of their own), the ring
         takes all the shared memory the partials leave instead of half the SM's: at M=64 with 3 CTAs per tile 6 stages
         instead of 4, at M=16 11 instead of 6 (ring_stages). options_for() keeps it where M pads to at least
-        ring_fill_min_m_pad and the partials lie beside the ring. Shipped at M=64 (ring_fill_min_m_pad=64): sweep
+        ring_fill_min_m_pad and the partials lie beside the ring (ring_stages itself does not look at the bound: an
+        unresolved build fills at any m_pad). Shipped for m_pad 64 (ring_fill_min_m_pad=64; M 33-64, timed at M=64): sweep
         run 32 (docs/linear.md), 4096x4096 M=64 10.42 against 10.95 us back to back and 12.34 against 12.63 in situ,
         4096x14336 M=64 31.10 against 31.66 and 32.66 against 33.56; at M <= 32 it won 9 of 12 cells back to back
         (6144x4096 M=16 12.70 against 14.03 us) and lost all 12 in situ (4096x14336 M=16 33.60 against 30.90 us),
@@ -265,10 +266,11 @@ class KernelOptions(NamedTuple):
         at once with one CTA per SM (cluster_capacity: clusters live inside one GPC, so an H200 places 30 clusters of
         4 that way, not 33). False keeps sm_count // row tiles: 32 row tiles then get clusters of 4, and 8 SMs run
         two CTAs.
-    x_multicast: a policy for builds of one CTA per row tile (cluster_k 1): options_for() groups that many adjacent row
-        tiles in one thread-block cluster (x_cluster) where M pads to at least x_multicast_min_m_pad, every tile's
-        cluster fits at once (cluster_capacity) and, with x_shared, each CTA's share of an x block keeps whole 8-row
-        swizzle atoms (m_pad / x_multicast >= 8); 0 or 1: never. Every CTA of such a launch reads the same x block at each step, so
+    x_multicast: a policy for builds of one CTA per row tile (cluster_k 1) and per SM (ctas_per_sm 1, and exclusive_sm
+        on a share of the SM): options_for() groups that many adjacent row tiles in one thread-block cluster
+        (x_cluster) where M pads to at least x_multicast_min_m_pad, the row tiles make whole clusters, every cluster
+        fits at once (cluster_capacity, where given) and, with x_shared, each CTA's share of an x block keeps whole
+        8-row swizzle atoms (m_pad / x_multicast >= 8); 0 or 1: never (x_cluster_for). Every CTA of such a launch reads the same x block at each step, so
         each loads 1 / x_cluster of it and multicasts it to the whole cluster: x leaves L2 once per cluster instead of
         once per CTA (at M=64, x is half as many bytes as the weight per CTA). Measured, not shipped (0): sweep run 29
         (docs/linear.md), 10240x8192 M=64 46.74 (2) and 51.23 us (4) against 44.84 us back to back, 44.33 and 43.88
@@ -456,7 +458,8 @@ class KernelOptions(NamedTuple):
                              f"{self.x_multicast_min_m_pad!r}")
         if self.x_cluster > 1 and (self.cluster_k != 1 or self.ctas_per_sm != 1):
             raise ValueError(f"KernelOptions.x_cluster={self.x_cluster} needs a build of one CTA per row tile "
-                             f"(cluster_k=1, ctas_per_sm=1), got cluster_k={self.cluster_k!r}")
+                             f"(cluster_k=1, ctas_per_sm=1), got cluster_k={self.cluster_k!r}, "
+                             f"ctas_per_sm={self.ctas_per_sm!r}")
         if not 1 <= self.cluster_max_k <= MAX_CLUSTER_K or self.cluster_max_m_pad not in M_PADS:
             raise ValueError(f"KernelOptions.cluster_max_k must be 1..{MAX_CLUSTER_K} and cluster_max_m_pad one of "
                              f"{M_PADS}, got {self.cluster_max_k!r}, {self.cluster_max_m_pad!r}")
@@ -542,7 +545,7 @@ class KernelOptions(NamedTuple):
 # Sweep runs 24-27: the reduce-scatter (cluster_scatter) and the partials beside the ring (partials_beside,
 # beside_small); see their docstrings. Sweep run 32 (docs/results/sweep-linear-h200-run32.*): the ring filling what
 # the partials beside it leave (ring_fill) won 7 of the 8 M=64 cells, back to back and in situ (it lost 1024x4096 in situ
-# by 0.06 us), and lost every in-situ cell at M <= 32, so it ships at M=64 (ring_fill_min_m_pad). Measured and not shipped, sweep runs 28-31 (docs/linear.md): stream-K at
+# by 0.07 us), and lost every in-situ cell at M <= 32, so it ships for m_pad 64 (ring_fill_min_m_pad). Measured and not shipped, sweep runs 28-31 (docs/linear.md): stream-K at
 # every shape (its fix-up cost 4-5 us at 10240x8192 M=64), x multicast and cluster placement for one-CTA-per-tile
 # launches (x_multicast, x_shared), a second wgmma on the half ring and leads of 2 and 5 loads.
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
@@ -852,7 +855,8 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
     trigger_lead_max_m_pad; with exclusive_trigger_grid above 0, such a build whose grid fits
     one CTA per SM takes its SMs alone (exclusive_sm); at M_PADS[-1], the
     deep ring with two wgmma in flight where each CTA streams at least options.deep_ring_blocks blocks and the
-    decomposition stays the same; and x_cluster from the x_multicast policy (x_cluster_for). capacity: the GPU's
+    decomposition stays the same; ring_fill only where the partials lie beside the ring and M pads to at least
+    ring_fill_min_m_pad; and x_cluster from the x_multicast policy (x_cluster_for). capacity: the GPU's
     cluster_capacity, needed when options.cluster_fit.
 
     Why not early: with the trigger at CTA start, the next launch's CTAs take the second slot of SMs this launch
@@ -927,7 +931,8 @@ def _blocks_per_cta(N: int, K: int, sm_count: int, options: "KernelOptions") -> 
 def grid_size(N: int, K: int, sm_count: int, options: "KernelOptions") -> int:
     """CTAs of one launch: stream-K, ctas_per_sm per SM (one wave), never more than there are weight blocks;
     cluster split (options.cluster_k), cluster_k per row tile; with x_cluster, whole clusters of that many row tiles
-    (a CTA past the last row tile loads zeros and stores nothing)."""
+    (options_for only picks x_cluster where the tiles make whole clusters; a build given one by hand may have CTAs past
+    the last row tile, whose weight loads are zeros and which store nothing, but which still load their share of x)."""
     if options.cluster_k:
         if options.cluster_k > -(-K // TILE_K):
             raise ValueError(f"grid_size: cluster_k={options.cluster_k} is more CTAs than K={K} has 64-column blocks")
