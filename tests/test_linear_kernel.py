@@ -234,19 +234,23 @@ CLUSTER_BUILDS = [(m_pad, cluster_k) for m_pad in linear.M_PADS for cluster_k in
                   if linear._fits_cluster(m_pad, cluster_k, 2)]
 
 
+def _launch_smem_bytes(m_pad, stages, options):
+    """Shared memory a bf16 build without bias launches with: its SharedStorage (barriers, ring, received partials),
+    sized once the kernel is compiled for sm_90a."""
+    kernel = linear.WeightStreamingLinear(DSL_DTYPES[torch.bfloat16], m_pad, False, stages, options)
+    cute.compile(kernel, *linear._fake_problem(DSL_DTYPES[torch.bfloat16], False), Int64(0), Int32(1),
+                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), None,
+                 options="--gpu-arch sm_90a --enable-tvm-ffi")
+    return kernel.shared_storage.size_in_bytes()
+
+
 @pytest.mark.parametrize("share,m_pad,cluster_k", STORAGE_CASES,
                          ids=[f"share{s}-m{m}-cluster{c}" for s, m, c in STORAGE_CASES])
 def test_shared_storage_fits_the_share(share, m_pad, cluster_k):
     """The shared memory the kernel launches with (its SharedStorage: barriers, ring, received partials) fits one
     CTA's share of the SM, so smem_share CTAs fit per SM and the launch is not rejected."""
     options = linear.DEFAULT_OPTIONS._replace(smem_share=share, cluster_k=cluster_k)
-    kernel = linear.WeightStreamingLinear(
-        DSL_DTYPES[torch.bfloat16], m_pad, False, linear.pipeline_stages(m_pad, share, cluster_k), options
-    )
-    cute.compile(kernel, *linear._fake_problem(DSL_DTYPES[torch.bfloat16], False), Int64(0), Int32(1),
-                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), None,
-                 options="--gpu-arch sm_90a --enable-tvm-ffi")
-    used = kernel.shared_storage.size_in_bytes()
+    used = _launch_smem_bytes(m_pad, linear.pipeline_stages(m_pad, share, cluster_k), options)
     assert used <= min(linear.SMEM_BYTES, linear.SMEM_PER_SM // share - linear.SMEM_PER_CTA_SYSTEM), used
 
 
@@ -956,11 +960,7 @@ def test_ring_fill_takes_what_the_partials_leave(m_pad, cluster_k):
     assert stages >= linear.ring_stages(m_pad, o._replace(ring_fill=False))
     assert linear.SMEM_RESERVED + stages * stage + partials <= linear.SMEM_BYTES
     assert linear.SMEM_RESERVED + (stages + 1) * stage + partials > linear.SMEM_BYTES
-    kernel = linear.WeightStreamingLinear(DSL_DTYPES[torch.bfloat16], m_pad, False, stages, o)
-    cute.compile(kernel, *linear._fake_problem(DSL_DTYPES[torch.bfloat16], False), Int64(0), Int32(1),
-                 cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), None,
-                 options="--gpu-arch sm_90a --enable-tvm-ffi")
-    assert kernel.shared_storage.size_in_bytes() <= linear.SMEM_BYTES
+    assert _launch_smem_bytes(m_pad, stages, o) <= linear.SMEM_BYTES
     if (m_pad, cluster_k) == (64, 3):
         assert stages == 6 and linear.ring_stages(16, o) == 11
 

@@ -1098,30 +1098,22 @@ class WeightStreamingLinear:
         stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(w_smem, (None, None, 0))) + cute.size_in_bytes(
             self.dtype, cute.slice_(x_smem, (None, None, 0))
         )
-        if cutlass.const_expr(self.x_mcast > 1):
-            # every CTA of the cluster writes its share of x into each CTA's stage: a stage's empty barrier counts one
-            # release per MMA warp of every CTA (lanes 0..x_cluster-1 arrive remotely), and the cluster syncs once
-            # here, before any CTA's multicast can reach another's barriers
-            loads = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.stage_barriers.data_ptr(),
-                num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads),
-                tx_count=stage_bytes,
-                cta_layout_vmnk=cute.make_layout((1, self.x_mcast, 1, 1)),
-                mcast_mode_mn=(0, 1),
-                enable_multicast_signaling=True,
-            )
-        else:
-            loads = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.stage_barriers.data_ptr(),
-                num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                # consumer_release arrives once per MMA warp (lane 0)
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
-                tx_count=stage_bytes,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            )
+        # consumer_release arrives once per MMA warp (lane 0). With x_shared, every CTA of the cluster writes its share
+        # of x into each CTA's stage: a stage's empty barrier counts one release per MMA warp of every CTA (lanes
+        # 0..x_cluster-1 arrive remotely; the pipeline works the count out from the MMA threads), and the cluster syncs
+        # once here, before any CTA's multicast can reach another's barriers
+        multicast = self.x_mcast > 1
+        loads = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.stage_barriers.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.mma_threads if multicast else self.mma_threads // 32),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, self.x_mcast, 1, 1)),
+            mcast_mode_mn=(0, 1) if multicast else (1, 1),
+            enable_multicast_signaling=multicast,
+        )
         w_tiles = storage.w_tiles.get_tensor(w_smem.outer, swizzle=w_smem.inner)
         x_tiles = storage.x_tiles.get_tensor(x_smem.outer, swizzle=x_smem.inner)
 
