@@ -117,13 +117,14 @@ def interleaved_time_us(call_lists, stream, clocks=None) -> list[tuple[float, fl
     return [quantiles(t) for t in per_call]
 
 
-def in_situ_times_us(call_lists, x, stream, clocks=None) -> list[tuple[float, float, float]]:
+def in_situ_times_us(call_lists, x, stream, clocks=None, feed=None) -> list[tuple[float, float, float]]:
     """GPU microseconds per call "in situ", per list of calls (all of one length): the calls' graph with a small
     elementwise kernel on x before each call (x *= 1, as a norm or an activation feeds a linear layer in a model),
     less the small kernel's own median time; the graphs, and the small kernel's alone, timed in turns
     (interleaved_time_us). Back-to-back calls let a PDL launch overlap the previous call of the same kernel; here
-    nothing of ours comes before a call, as in a decode step."""
-    feed = functools.partial(torch.Tensor.mul_, x, 1.0)
+    nothing of ours comes before a call, as in a decode step. feed: the small kernel as a no-argument call (default
+    torch's x.mul_(1); benchmarks/feed_kernel.py makes one that asks for shared memory)."""
+    feed = feed or functools.partial(torch.Tensor.mul_, x, 1.0)
     n = len(call_lists[0])
     assert all(len(calls) == n for calls in call_lists), "in_situ_times_us: lists of one length"
     feed_times, *paired = interleaved_time_us([[feed] * n] + [[c for call in calls for c in (feed, call)]
@@ -131,9 +132,9 @@ def in_situ_times_us(call_lists, x, stream, clocks=None) -> list[tuple[float, fl
     return [tuple(2 * t - feed_times[1] for t in times) for times in paired]
 
 
-def in_situ_time_us(calls, x, stream) -> tuple[float, float, float]:
+def in_situ_time_us(calls, x, stream, feed=None) -> tuple[float, float, float]:
     """in_situ_times_us of one list of calls."""
-    return in_situ_times_us([calls], x, stream)[0]
+    return in_situ_times_us([calls], x, stream, feed=feed)[0]
 
 
 def measure_ceiling_gbs(stream) -> dict:

@@ -1,7 +1,7 @@
 """Sweep of the linear kernel's static options (torch_tma.kernels.linear.KernelOptions) on the H200.
 
     timeout 300 python benchmarks/sweep_linear.py [--csv PATH] [--variant NAME ...] [--in-situ NAME ...] [--ms M ...]
-        [--shapes NxK ...]
+        [--shapes NxK ...] [--feed-smem-kib KIB]
 
 (--variant and --in-situ repeat: --variant shipped --variant landed.)
 
@@ -35,23 +35,25 @@ and two wgmma in flight; "x-mc2" and "x-mc4": launches of one CTA per row tile a
 each CTA loading its own x (the clusters only place the CTAs); "fill": launches with their partials beside the ring give
 it all the shared memory the partials leave at every M (KernelOptions.ring_fill; shipped: for m_pad 64, M 33-64);
 "fill-pre6": that with at most 6 weight blocks requested before the PDL wait; "no-fill": at no M, as before sweep run
-32; "two-wg": two consumer warpgroups of 64 weight rows each; "two-wg-full-ring-wgmma2": that and the full ring with two
-wgmma in flight; earlier runs also swept the weight loaded without the L2 evict-first hint, the release form of the
-cluster barrier's entry arrive, the descriptor prefetch, the TMA atom's kernel-parameter descriptor instead of
-torch_tma's, stream-K, clusters that do not all run at once, the cluster split's bounds, a second wgmma in flight on the
-half-SM ring, PDL, the descriptor fence scope, shares of the shared memory and two CTAs per SM: see docs/linear.md;
-every variant is built from the current DEFAULT_OPTIONS, so at M 33-64 on long runs "full-ring", "x-evict-last" and
-"two-wg" now get the deep ring too), each shape N x K in SHAPES (or --shapes) and M in MS (or --ms) (bf16, no bias):
-first validate the variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| + eps *
-max|ref64|, output poisoned with NaN before the launch), then time it as CUDA events around replays of one CUDA graph of
-back-to-back calls, each on the next of several weight copies (together ~7x the 60 MB L2). cuBLAS (F.linear) is timed
-the same way in the same run. Variants launch the compiled kernel directly with their own split-K workspace, so the host
-path (linear_out) is not involved.
+32; "fill-steady6" and "fill-steady4": "fill" with at most 6 or 4 loads in flight once the wait has returned
+(KernelOptions.steady_depth); "steady4": the shipped rings with at most 4; "two-wg": two consumer warpgroups of 64
+weight rows each; "two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier runs also swept
+the weight loaded without the L2 evict-first hint, the release form of the cluster barrier's entry arrive, the
+descriptor prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters that do not
+all run at once, the cluster split's bounds, a second wgmma in flight on the half-SM ring, PDL, the descriptor fence
+scope, shares of the shared memory and two CTAs per SM: see docs/linear.md; every variant is built from the current
+DEFAULT_OPTIONS, so at M 33-64 on long runs "full-ring", "x-evict-last" and "two-wg" now get the deep ring too), each
+shape N x K in SHAPES (or --shapes) and M in MS (or --ms) (bf16, no bias): first validate the variant's output against
+the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|, output poisoned with NaN before the
+launch), then time it as CUDA events around replays of one CUDA graph of back-to-back calls, each on the next of several
+weight copies (together ~7x the 60 MB L2). cuBLAS (F.linear) is timed the same way in the same run. Variants launch the
+compiled kernel directly with their own split-K workspace, so the host path (linear_out) is not involved.
 
 "In situ" (the IN_SITU variants, or those named by --in-situ, and cuBLAS): the same graph with a small elementwise
-kernel on x before every call (x *= 1), as in a model where a norm or an activation feeds each linear layer; the
-time per call is the pair's minus the small kernel's alone. Back-to-back calls let a PDL launch overlap the previous
-call; in situ there is no previous call of ours to overlap, so this is what a decode step sees.
+kernel on x before every call (x *= 1), as in a model where a norm or an activation feeds each linear layer; the time
+per call is the pair's minus the small kernel's alone (--feed-smem-kib: the small kernel is benchmarks/feed_kernel.py's,
+asking for that much shared memory, to see what the SM's L1/shared split costs). Back-to-back calls let a PDL launch
+overlap the previous call; in situ there is no previous call of ours to overlap, so this is what a decode step sees.
 
 Prints one table: per variant and cell, GPU microseconds per call (median of the replays) and the speedup
 over cuBLAS, then the geomean speedup. A variant whose output is wrong is reported as FAIL in its cells
@@ -127,6 +129,11 @@ def variants(linear):
         "fill": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0]),
         "fill-pre6": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0], pre_wait_blocks=6),
         "no-fill": shipped._replace(ring_fill=False),
+        # at most 6 or 4 loads in flight once griddepcontrol.wait has returned (KernelOptions.steady_depth): the
+        # filled ring's first request at every M with the half ring's depth after it, and the shipped rings shallower
+        "fill-steady6": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0], steady_depth=6),
+        "fill-steady4": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0], steady_depth=4),
+        "steady4": shipped._replace(steady_depth=4),
         # at most 2 CTAs per row tile: 4096x4096 on 64 SMs, so two launches in a row fit beside each other
         "half-grid": shipped._replace(cluster_max_k=2),
         "x-evict-last": shipped._replace(x_eviction="last"),  # x loads marked evict-last in L2
@@ -179,8 +186,13 @@ def main():
                                                            f"{list(IN_SITU)})")
     parser.add_argument("--ms", type=int, nargs="+", default=list(MS), help=f"M values (default {list(MS)})")
     parser.add_argument("--shapes", nargs="+", metavar="NxK", help="only these of SHAPES (default all)")
+    parser.add_argument("--feed-smem-kib", type=int, metavar="KIB",
+                        help="in situ, feed each call with benchmarks/feed_kernel.py's x *= 1 asking for this many KiB "
+                             "of dynamic shared memory instead of torch's x.mul_(1)")
     args = parser.parse_args()
     shapes = select_shapes(parser, args.shapes)
+    if args.feed_smem_kib is not None and not 0 <= args.feed_smem_kib <= 227:
+        parser.error(f"--feed-smem-kib must be 0..227, got {args.feed_smem_kib}")
 
     import cutlass
     import torch_tma
@@ -197,6 +209,10 @@ def main():
     table = select_variants(parser, variants(linear), args.variant)
     in_situ_names = tuple(args.in_situ or IN_SITU)
     ms = tuple(args.ms)
+    feed_name = "x.mul_(1)"
+    if args.feed_smem_kib is not None:
+        from feed_kernel import make_feed
+        feed_name = f"feed_kernel x *= 1 asking {args.feed_smem_kib} KiB of shared memory"
     # One workspace per variant: partials for 2 tiles per CTA at the largest grid, counters zero.
     workspaces = {
         name: (torch.empty(sm_count * o.ctas_per_sm * 2 * linear.M_PADS[-1] * linear.TILE_N, dtype=torch.float32,
@@ -224,10 +240,12 @@ def main():
             x = torch.randn(m, k, dtype=DTYPE, device=device)
             out = torch.empty(m, n, dtype=DTYPE, device=device)
 
+            feed = None if args.feed_smem_kib is None else make_feed(x, args.feed_smem_kib * 1024)
+
             def timed(key, calls):
                 results[key] = graph_time_us(calls, stream)[1]
                 if key[0] in in_situ_names or key[0] == "cublas":
-                    in_situ[key] = in_situ_time_us(calls, x, stream)[1]
+                    in_situ[key] = in_situ_time_us(calls, x, stream, feed)[1]
 
             for name, o in table.items():
                 o = linear.options_for(o, n, k, m, sm_count, capacity)
@@ -259,7 +277,7 @@ def main():
 
     cells = [(n, k, m) for n, k in shapes for m in ms]
     for title, res, names in (("back-to-back calls", results, list(table)),
-                              ("in situ (a small kernel before each call)", in_situ,
+                              (f"in situ (a small kernel before each call: {feed_name})", in_situ,
                                [v for v in table if v in in_situ_names])):
         print(f"\n{title}: GPU us per call (median over graph replays) and speedup vs cuBLAS; "
               f"{torch.cuda.get_device_name()}, torch {torch.__version__}")

@@ -1,14 +1,17 @@
 """The benchmark's timing and clock bookkeeping (benchmarks/bench_linear.py, benchmarks/gpu_clocks.py) on the CPU:
 the order in which interleaved_time_us replays its graphs, the in-situ arithmetic, and what the NVML summary
-reports. The GPU side of both runs in every bench_linear run on the H200."""
+reports. The GPU side of both runs in every bench_linear run on the H200. And the in-situ feed kernel
+(benchmarks/feed_kernel.py): compiled on the CPU, run on the GPU."""
 
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_linear  # noqa: E402
+import feed_kernel  # noqa: E402
 import gpu_clocks  # noqa: E402
 
 
@@ -54,6 +57,47 @@ def test_in_situ_subtracts_the_small_kernel(fake_graphs, monkeypatch):
     assert a == pytest.approx((call_us,) * 3) and b == pytest.approx((2 * call_us,) * 3)
     with pytest.raises(AssertionError, match="one length"):
         bench_linear.in_situ_times_us([["a"], ["b", "b"]], x=None, stream=None)
+
+
+def test_in_situ_uses_the_given_feed(fake_graphs, monkeypatch):
+    """A feed passed in is the small kernel of every paired graph and of the feed's own."""
+    captured = []
+
+    def capture(calls, stream):
+        captured.append(list(calls))
+        return len(captured)  # a graph fake_graphs times at this many us
+
+    monkeypatch.setattr(bench_linear, "capture", capture)
+    bench_linear.in_situ_times_us([["a", "a"]], x=None, stream=None, feed="f")
+    assert captured == [["f", "f"], ["f", "a", "f", "a"]]
+
+
+@pytest.mark.parametrize("kib", [0, 227])
+def test_feed_kernel_compiles(kib):
+    assert feed_kernel.compile_feed(kib * 1024) is feed_kernel.compile_feed(kib * 1024)  # once per size
+
+
+def test_feed_kernel_refuses_bad_input():
+    with pytest.raises(ValueError, match="smem_bytes"):
+        feed_kernel.compile_feed(228 * 1024)
+    with pytest.raises(ValueError, match="contiguous"):
+        feed_kernel.make_feed(torch.zeros(4, 6)[:, :3], 0)
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.parametrize("kib", [0, 100, 227])
+def test_feed_kernel_scales_x_with_its_shared_memory(kib):
+    """The feed launches with kib KiB of dynamic shared memory (227: an H200 CTA's most) and scales every element:
+    by 2 through the compiled kernel, by 1 through make_feed; on fresh random data of a size not a multiple of the
+    block."""
+    x = torch.randn(3, 1000, device="cuda").to(torch.bfloat16)
+    before = x.clone()
+    feed_kernel.compile_feed(kib * 1024)(x.view(-1), 2.0)
+    torch.cuda.synchronize()
+    assert torch.equal(x, before * 2)
+    feed_kernel.make_feed(x, kib * 1024)()
+    torch.cuda.synchronize()
+    assert torch.equal(x, before * 2)
 
 
 def test_clock_summary():

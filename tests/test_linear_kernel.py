@@ -81,6 +81,8 @@ OPTION_VARIANTS = [
     linear.DEFAULT_OPTIONS._replace(x_multicast=4, x_multicast_min_m_pad=32),
     # ... clusters of 4 that only place the CTAs (each loads its own x)
     linear.DEFAULT_OPTIONS._replace(x_multicast=4, x_multicast_min_m_pad=16, x_shared=False),
+    # the filled ring at every M, at most 4 loads in flight once the PDL wait has returned
+    linear.DEFAULT_OPTIONS._replace(ring_fill_min_m_pad=linear.M_PADS[0], steady_depth=4),
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
@@ -90,6 +92,7 @@ OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-c
               f"{'-reduce0' * (o.cluster_split > 0 and not o.cluster_scatter)}"
               f"{'-ring' * (o.own_partial_bytes != linear.OWN_PARTIAL_BYTES)}{'-nobeside' * (o.cluster_scatter and not o.partials_beside)}"
               f"{f'-xmc{o.x_multicast}' * (o.x_multicast > 1)}{'-place' * (o.x_multicast > 1 and not o.x_shared)}"
+              f"{f'-steady{o.steady_depth}' * bool(o.steady_depth)}"
               for o in OPTION_VARIANTS]
 
 
@@ -965,6 +968,36 @@ def test_ring_fill_takes_what_the_partials_leave(m_pad, cluster_k):
         assert stages == 6 and linear.ring_stages(16, o) == 11
 
 
+MBARRIER_WAIT = "mbarrier.try_wait.parity"
+
+
+def test_steady_depth_gates_the_main_loop(tmp_path):
+    """KernelOptions.steady_depth on the filled ring of 4096x4096 at M=16 (11 stages): the TMA warp's main loop waits
+    on one more empty barrier per load (the slot of the load steady_depth back), nothing else changes; a depth of at
+    least the ring's compiles to the plain build's PTX; a negative one is refused."""
+    o = linear.options_for(linear.DEFAULT_OPTIONS._replace(ring_fill_min_m_pad=linear.M_PADS[0]), 4096, 4096, 16,
+                           *H200)
+    stages = linear.ring_stages(16, o)
+    assert o.ring_fill and o.steady_depth == 0 and stages == 11
+
+    def ptx(depth):
+        dump = tmp_path / f"d{depth}"
+        dump.mkdir()
+        text, _ = _ptx_and_cubin(torch.bfloat16, 16, False, dump, o._replace(steady_depth=depth))
+        return "".join(line + "\n" for line in text.splitlines() if not line.startswith("//"))
+
+    plain = ptx(0)
+    assert ptx(stages) == plain
+    gated = ptx(6)
+    assert gated.count(MBARRIER_WAIT) == plain.count(MBARRIER_WAIT) + 1
+    assert len(TMA_LOAD_DESCRIPTOR.findall(gated)) == len(TMA_LOAD_DESCRIPTOR.findall(plain)) == 4
+    # the extra wait sits in the main loop, between the PDL wait and the last load site
+    after_wait = gated[gated.index("griddepcontrol.wait;"):]
+    assert after_wait.count(MBARRIER_WAIT) > plain[plain.index("griddepcontrol.wait;"):].count(MBARRIER_WAIT)
+    with pytest.raises(ValueError, match="steady_depth"):
+        o._replace(steady_depth=-1).check()
+
+
 @pytest.mark.parametrize("m_pad", [32, 64])
 def test_partials_beside_build_has_no_drained_handshake(m_pad, tmp_path):
     """A partials_beside build of 3 CTAs per tile sends every piece it does not own with st.async and never arrives on
@@ -1048,6 +1081,28 @@ def test_x_multicast_matches_plain_bitwise(x_cluster, shared):
             assert torch.equal(plain, multicast), f"x_cluster={x_cluster} {n}x{k} M={m}: differs from per-CTA x"
             checked += 1
     assert checked >= 12, checked
+
+
+@on_gpu
+def test_steady_depth_matches_plain_bitwise():
+    """steady_depth 1 and 4 (at most that many loads in flight after the PDL wait) on filled rings give y bit for bit
+    equal to the same build without the bound, and matching the float64 reference: the cluster builds of 4096x4096
+    and 4096x14336 (11 stages at M <= 16), a stream-K and a one-CTA-per-tile build, ragged K, bias at odd M; y
+    poisoned with NaN before each launch."""
+    policy = linear.DEFAULT_OPTIONS._replace(ring_fill_min_m_pad=linear.M_PADS[0])
+    workspace = linear._workspace(0)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    capacity = linear.cluster_capacity(0)
+    for n, k in [(4096, 4096), (4096, 14336), (1000, 4104), (10240, 8192), (57344, 8192)]:
+        for m in (1, 16, 33):
+            o = linear.options_for(policy, n, k, m, sm_count, capacity)
+            x, weight, b = _random(m, n, k, torch.bfloat16, m % 2 == 1)
+            builds = [o] + [o._replace(steady_depth=d) for d in (1, 4)]
+            outs = _launch_each(x, weight, b, builds, workspace, sm_count)
+            for depth, out in zip((1, 4), outs[1:]):
+                _check(out, x, weight, b, f"steady_depth={depth} {n}x{k} M={m}")
+                assert torch.equal(outs[0], out), f"steady_depth={depth} {n}x{k} M={m}: differs from the plain build"
+            assert int(workspace.arrivals.abs().sum()) == 0
 
 
 @on_gpu

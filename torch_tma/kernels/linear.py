@@ -232,6 +232,12 @@ class KernelOptions(NamedTuple):
         (6144x4096 M=16 12.70 against 14.03 us) and lost all 12 in situ (4096x14336 M=16 33.60 against 30.90 us),
         for reasons not established (docs/linear.md).
     ring_fill_min_m_pad: the bound of ring_fill's policy above, one of M_PADS.
+    steady_depth: after the loads that go out before griddepcontrol.wait (weight_before_wait: up to the whole ring),
+        the TMA warp keeps at most this many loads in flight (issued and not yet consumed) instead of the ring's depth:
+        a filled ring's first request still overlaps the previous launch's tail, its steady state asks DRAM for no
+        more than a shallower ring would (0: the ring's depth; a ring of at most steady_depth stages is unchanged).
+        Built to test why ring_fill won back to back and lost in situ at M <= 32 (sweep run 32); not yet timed on
+        the GPU, 0 in DEFAULT_OPTIONS.
     pre_wait_blocks: with weight_before_wait, at most this many weight blocks go out before griddepcontrol.wait
         (0: the whole ring); the rest of the ring fills after the wait. A deep ring asks DRAM for all its stages at
         once and its first stage lands last (docs/linear.md, trace run 8); a smaller first request lands it sooner.
@@ -344,6 +350,7 @@ class KernelOptions(NamedTuple):
     beside_small: bool = False
     ring_fill: bool = False
     ring_fill_min_m_pad: int = M_PADS[0]
+    steady_depth: int = 0
     exclusive_sm: bool = False
     cluster_split: int = 0
     cluster_k: int = 0
@@ -433,6 +440,8 @@ class KernelOptions(NamedTuple):
         if self.ring_fill_min_m_pad not in M_PADS:
             raise ValueError(f"KernelOptions.ring_fill_min_m_pad must be one of {M_PADS}, got "
                              f"{self.ring_fill_min_m_pad!r}")
+        if self.steady_depth < 0:
+            raise ValueError(f"KernelOptions.steady_depth must be >= 0, got {self.steady_depth!r}")
         if self.pre_wait_blocks < 0:
             raise ValueError(f"KernelOptions.pre_wait_blocks must be >= 0, got {self.pre_wait_blocks!r}")
         if self.own_partial_bytes < 0:
@@ -1253,9 +1262,19 @@ class WeightStreamingLinear:
         # the trigger after the last weight load (load_trigger), and trigger_lead loads before it
         after_load = self.options.run_trigger == "issue"
         trigger_at = run_end - 1 - self.options.trigger_lead
+        # steady_depth: before load g, wait until load g - steady_depth has been consumed, i.e. for the slot that load
+        # g - steady_depth + stages would acquire. gate runs stages - steady_depth loads ahead of state; in its first
+        # lap (loads the ring has not held yet) its waits pass at once.
+        gated = 0 < self.options.steady_depth < self.stages
+        gate = state.clone()
+        if cutlass.const_expr(gated):
+            gate.advance(self.stages - self.options.steady_depth)
         for i in cutlass.range(first, run_end, unroll=1):
             w_smem_dst, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
             x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, col, self.m_pad, x_rank, self.x_mcast)
+            if cutlass.const_expr(gated):
+                loads.sync_object_empty.wait(gate.index, gate.phase)
+                gate.advance()
             loads.producer_acquire(state)  # waits for the slot, then expects stage_bytes on its barrier
             barrier = loads.producer_get_barrier(state)
             cute.copy(w_atom, w_src, w_smem_dst[(None, state.index)], tma_bar_ptr=barrier, tma_desc_ptr=weight_map_ptr,
