@@ -1,8 +1,8 @@
 """A feed kernel for in-situ timings that asks for a chosen amount of dynamic shared memory.
 
 In situ (bench_linear.in_situ_times_us) a small elementwise kernel on x runs before every linear call, as a norm or an
-activation does in a model. torch's own (x *= 1) asks for no shared memory; the linear kernel asks for more than half
-an SM's. An SM splits one pool between L1 and shared memory and the driver picks the split (the carveout) for the
+activation does in a model. torch's own (x *= 1) asks for no shared memory; the linear kernel's builds that take an SM
+alone ask for more than half of it (exclusive_sm), a filled ring (ring_fill) for all of it. An SM splits one pool between L1 and shared memory and the driver picks the split (the carveout) for the
 kernels it runs, so a feed that asks for as much shared memory as the linear kernel and one that asks for none tell
 apart what the switch between them costs the call after the feed. make_feed(x, smem_bytes) is that feed: x *= scale
 (scale 1 at run time, so nothing folds away), one element per thread, launched on torch's current stream with

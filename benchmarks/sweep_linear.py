@@ -35,9 +35,9 @@ and two wgmma in flight; "x-mc2" and "x-mc4": launches of one CTA per row tile a
 each CTA loading its own x (the clusters only place the CTAs); "fill": launches with their partials beside the ring give
 it all the shared memory the partials leave at every M (KernelOptions.ring_fill; shipped: for m_pad 64, M 33-64);
 "fill-pre6": that with at most 6 weight blocks requested before the PDL wait; "no-fill": at no M, as before sweep run
-32; "fill-steady6" and "fill-steady4": "fill" with at most 6 or 4 loads in flight once the wait has returned
-(KernelOptions.steady_depth); "steady4": the shipped rings with at most 4; "two-wg": two consumer warpgroups of 64
-weight rows each; "two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier runs also swept
+32; "fill-steady6" and "fill-steady4": "fill" with at most 6 or 4 stages issued and not released once the wait has
+returned (KernelOptions.steady_depth); "steady4": the shipped rings with at most 4; "two-wg": two consumer warpgroups of
+64 weight rows each; "two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier runs also swept
 the weight loaded without the L2 evict-first hint, the release form of the cluster barrier's entry arrive, the
 descriptor prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters that do not
 all run at once, the cluster split's bounds, a second wgmma in flight on the half-SM ring, PDL, the descriptor fence
@@ -129,8 +129,9 @@ def variants(linear):
         "fill": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0]),
         "fill-pre6": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0], pre_wait_blocks=6),
         "no-fill": shipped._replace(ring_fill=False),
-        # at most 6 or 4 loads in flight once griddepcontrol.wait has returned (KernelOptions.steady_depth): the
-        # filled ring's first request at every M with the half ring's depth after it, and the shipped rings shallower
+        # at most 6 or 4 stages issued and not released once griddepcontrol.wait has returned (KernelOptions.
+        # steady_depth): the filled ring's first request at every M, then 6 (the half ring's depth at M <= 16) or 4;
+        # and the shipped rings held to 4
         "fill-steady6": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0], steady_depth=6),
         "fill-steady4": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0], steady_depth=4),
         "steady4": shipped._replace(steady_depth=4),

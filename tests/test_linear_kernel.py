@@ -973,12 +973,13 @@ MBARRIER_WAIT = "mbarrier.try_wait.parity"
 
 def test_steady_depth_gates_the_main_loop(tmp_path):
     """KernelOptions.steady_depth on the filled ring of 4096x4096 at M=16 (11 stages): the TMA warp's main loop waits
-    on one more empty barrier per load (the slot of the load steady_depth back), nothing else changes; a depth of at
-    least the ring's compiles to the plain build's PTX; a negative one is refused."""
+    on one more empty barrier per load, the slot stages - steady_depth ahead of the one it acquires (the constant the
+    gate's first index adds to the loop's); the load sites stay; a depth of at least the ring's compiles to the plain
+    build's PTX; a negative one, or one below wgmma_in_flight (the two sides would wait on each other), is refused."""
     o = linear.options_for(linear.DEFAULT_OPTIONS._replace(ring_fill_min_m_pad=linear.M_PADS[0]), 4096, 4096, 16,
                            *H200)
     stages = linear.ring_stages(16, o)
-    assert o.ring_fill and o.steady_depth == 0 and stages == 11
+    assert o.ring_fill and o.steady_depth == 0 and o.wgmma_in_flight == 1 and stages == 11
 
     def ptx(depth):
         dump = tmp_path / f"d{depth}"
@@ -986,16 +987,24 @@ def test_steady_depth_gates_the_main_loop(tmp_path):
         text, _ = _ptx_and_cubin(torch.bfloat16, 16, False, dump, o._replace(steady_depth=depth))
         return "".join(line + "\n" for line in text.splitlines() if not line.startswith("//"))
 
+    def adds(code, constant):
+        return len(re.findall(rf"add\.s32\s+%r\d+, %r\d+, {constant};", code))
+
     plain = ptx(0)
-    assert ptx(stages) == plain
-    gated = ptx(6)
-    assert gated.count(MBARRIER_WAIT) == plain.count(MBARRIER_WAIT) + 1
-    assert len(TMA_LOAD_DESCRIPTOR.findall(gated)) == len(TMA_LOAD_DESCRIPTOR.findall(plain)) == 4
-    # the extra wait sits in the main loop, between the PDL wait and the last load site
-    after_wait = gated[gated.index("griddepcontrol.wait;"):]
-    assert after_wait.count(MBARRIER_WAIT) > plain[plain.index("griddepcontrol.wait;"):].count(MBARRIER_WAIT)
+    assert ptx(stages) == plain and ptx(stages + 3) == plain
+    for depth in (6, 3):
+        gated = ptx(depth)
+        assert gated.count(MBARRIER_WAIT) == plain.count(MBARRIER_WAIT) + 1, depth
+        assert len(TMA_LOAD_DESCRIPTOR.findall(gated)) == len(TMA_LOAD_DESCRIPTOR.findall(plain)) == 4
+        # the extra wait sits in the main loop, after the PDL wait
+        tail = gated[gated.index("griddepcontrol.wait;"):]
+        assert tail.count(MBARRIER_WAIT) == plain[plain.index("griddepcontrol.wait;"):].count(MBARRIER_WAIT) + 1
+        assert adds(gated, stages - depth) > adds(plain, stages - depth), depth
     with pytest.raises(ValueError, match="steady_depth"):
         o._replace(steady_depth=-1).check()
+    with pytest.raises(ValueError, match="steady_depth must be 0 or at least wgmma_in_flight"):
+        o._replace(steady_depth=1, wgmma_in_flight=2).check()
+    o._replace(steady_depth=2, wgmma_in_flight=2).check()
 
 
 @pytest.mark.parametrize("m_pad", [32, 64])
@@ -1085,10 +1094,12 @@ def test_x_multicast_matches_plain_bitwise(x_cluster, shared):
 
 @on_gpu
 def test_steady_depth_matches_plain_bitwise():
-    """steady_depth 1 and 4 (at most that many loads in flight after the PDL wait) on filled rings give y bit for bit
-    equal to the same build without the bound, and matching the float64 reference: the cluster builds of 4096x4096
-    and 4096x14336 (11 stages at M <= 16), a stream-K and a one-CTA-per-tile build, ragged K, bias at odd M; y
-    poisoned with NaN before each launch."""
+    """steady_depth at its least (wgmma_in_flight: 1, or 2 on the M=64 deep ring) and at 4 gives y bit for bit equal
+    to the same build without the bound, and matching the float64 reference, with no launch hanging: the filled
+    rings of the cluster builds of 4096x4096 and 4096x14336 (12 stages at M=1, 11 at M=16, 6 at M=33) and of a
+    ragged K (1000x4104), and the rings of a one-CTA-per-tile (10240x8192) and a stream-K build (57344x8192; both the
+    deep ring with two wgmma in flight at M=33); bias at odd M; y poisoned with NaN before each launch. (Bitwise
+    equality shows the gate loses and reorders nothing; that it holds loads back is what the PTX test checks.)"""
     policy = linear.DEFAULT_OPTIONS._replace(ring_fill_min_m_pad=linear.M_PADS[0])
     workspace = linear._workspace(0)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
@@ -1096,10 +1107,11 @@ def test_steady_depth_matches_plain_bitwise():
     for n, k in [(4096, 4096), (4096, 14336), (1000, 4104), (10240, 8192), (57344, 8192)]:
         for m in (1, 16, 33):
             o = linear.options_for(policy, n, k, m, sm_count, capacity)
+            depths = (o.wgmma_in_flight, 4)
             x, weight, b = _random(m, n, k, torch.bfloat16, m % 2 == 1)
-            builds = [o] + [o._replace(steady_depth=d) for d in (1, 4)]
+            builds = [o] + [o._replace(steady_depth=d) for d in depths]
             outs = _launch_each(x, weight, b, builds, workspace, sm_count)
-            for depth, out in zip((1, 4), outs[1:]):
+            for depth, out in zip(depths, outs[1:]):
                 _check(out, x, weight, b, f"steady_depth={depth} {n}x{k} M={m}")
                 assert torch.equal(outs[0], out), f"steady_depth={depth} {n}x{k} M={m}: differs from the plain build"
             assert int(workspace.arrivals.abs().sum()) == 0

@@ -233,11 +233,13 @@ class KernelOptions(NamedTuple):
         for reasons not established (docs/linear.md).
     ring_fill_min_m_pad: the bound of ring_fill's policy above, one of M_PADS.
     steady_depth: after the loads that go out before griddepcontrol.wait (weight_before_wait: up to the whole ring),
-        the TMA warp keeps at most this many loads in flight (issued and not yet consumed) instead of the ring's depth:
-        a filled ring's first request still overlaps the previous launch's tail, its steady state asks DRAM for no
-        more than a shallower ring would (0: the ring's depth; a ring of at most steady_depth stages is unchanged).
-        Built to test why ring_fill won back to back and lost in situ at M <= 32 (sweep run 32); not yet timed on
-        the GPU, 0 in DEFAULT_OPTIONS.
+        the TMA warp keeps at most this many stages issued and not yet released by the MMA warps instead of the ring's
+        depth: a filled ring's first request still overlaps the previous launch's tail, its steady state asks DRAM for
+        no more than a shallower ring would (0: the ring's depth; a ring of at most steady_depth stages is unchanged).
+        The MMA warps hold wgmma_in_flight stages (with 2, a stage is released once the next one's wgmma is issued),
+        so at least wgmma_in_flight (below it the two sides would wait on each other), and steady_depth -
+        wgmma_in_flight + 1 of them are loads ahead of the consumer. Built to test why ring_fill won back to back and
+        lost in situ at M <= 32 (sweep run 32); not yet timed on the GPU, 0 in DEFAULT_OPTIONS.
     pre_wait_blocks: with weight_before_wait, at most this many weight blocks go out before griddepcontrol.wait
         (0: the whole ring); the rest of the ring fills after the wait. A deep ring asks DRAM for all its stages at
         once and its first stage lands last (docs/linear.md, trace run 8); a smaller first request lands it sooner.
@@ -440,8 +442,9 @@ class KernelOptions(NamedTuple):
         if self.ring_fill_min_m_pad not in M_PADS:
             raise ValueError(f"KernelOptions.ring_fill_min_m_pad must be one of {M_PADS}, got "
                              f"{self.ring_fill_min_m_pad!r}")
-        if self.steady_depth < 0:
-            raise ValueError(f"KernelOptions.steady_depth must be >= 0, got {self.steady_depth!r}")
+        if self.steady_depth < 0 or 0 < self.steady_depth < self.wgmma_in_flight:
+            raise ValueError(f"KernelOptions.steady_depth must be 0 or at least wgmma_in_flight "
+                             f"({self.wgmma_in_flight}: the stages the MMA warps hold), got {self.steady_depth!r}")
         if self.pre_wait_blocks < 0:
             raise ValueError(f"KernelOptions.pre_wait_blocks must be >= 0, got {self.pre_wait_blocks!r}")
         if self.own_partial_bytes < 0:
@@ -1262,7 +1265,7 @@ class WeightStreamingLinear:
         # the trigger after the last weight load (load_trigger), and trigger_lead loads before it
         after_load = self.options.run_trigger == "issue"
         trigger_at = run_end - 1 - self.options.trigger_lead
-        # steady_depth: before load g, wait until load g - steady_depth has been consumed, i.e. for the slot that load
+        # steady_depth: before load g, wait until load g - steady_depth has been released, i.e. for the slot that load
         # g - steady_depth + stages would acquire. gate runs stages - steady_depth loads ahead of state; in its first
         # lap (loads the ring has not held yet) its waits pass at once.
         gated = 0 < self.options.steady_depth < self.stages
