@@ -2,11 +2,13 @@
 
 In situ (bench_linear.in_situ_times_us) a small elementwise kernel on x runs before every linear call, as a norm or an
 activation does in a model. torch's own (x *= 1) asks for no shared memory; the linear kernel's builds that take an SM
-alone ask for more than half of it (exclusive_sm), a filled ring (ring_fill) for all of it. An SM splits one pool between L1 and shared memory and the driver picks the split (the carveout) for the
-kernels it runs, so a feed that asks for as much shared memory as the linear kernel and one that asks for none tell
-apart what the switch between them costs the call after the feed. make_feed(x, smem_bytes) is that feed: x *= scale
-(scale 1 at run time, so nothing folds away), one element per thread, launched on torch's current stream with
-smem_bytes of dynamic shared memory it never touches.
+alone ask for more than half of it (exclusive_sm), a filled ring (ring_fill) for all of it. An SM splits one pool
+between L1 and shared memory and the driver picks the split (the carveout) for the kernels it runs, so a feed that asks
+for as much shared memory as the linear kernel and one that asks for none tell apart what the switch between them costs
+the call after the feed. make_feed(x, smem_bytes) is that feed: x *= scale (scale 1 at run time, so nothing folds away),
+one element per thread, launched on torch's current stream with smem_bytes of dynamic shared memory it never touches.
+Sweep run 34 (docs/linear.md): after a 227 KiB feed against a 0 KiB one, ours at M=64 took 0.4-1.0 us less and cuBLAS at
+4096x14336 M=64 3.06 us more; the filled ring's in-situ loss at M <= 16 stayed.
 """
 
 import functools
