@@ -240,7 +240,7 @@ class KernelOptions(NamedTuple):
         so at least wgmma_in_flight (below it the two sides would wait on each other), and steady_depth -
         wgmma_in_flight + 1 of them are loads ahead of the consumer. Measured, not shipped (0): sweep run 33
         (docs/linear.md), every bound lost all 12 back-to-back cells to the shipped defaults ("steady4" on the shipped
-        rings: 4096x4096 M=64 11.11 against 10.27 us) and in situ 11 or 12 of 12; on the filled ring a bound of 6
+        rings: 4096x4096 M=64 11.11 against 10.27 us) and in situ 10 or 12 of 12; on the filled ring a bound of 6
         took back part of its in-situ loss at 4096x14336 (M=1 31.07 against 32.66 us; shipped 29.98).
     pre_wait_blocks: with weight_before_wait, at most this many weight blocks go out before griddepcontrol.wait
         (0: the whole ring); the rest of the ring fills after the wait. A deep ring asks DRAM for all its stages at
