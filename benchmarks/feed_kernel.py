@@ -18,6 +18,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 THREADS = 256
+MAX_SMEM_KIB = 227  # the most dynamic shared memory a Hopper CTA may ask for
 
 
 @cute.kernel
@@ -39,8 +40,9 @@ def _scale(x: cute.Tensor, scale: Float32, stream, smem_bytes: cutlass.Constexpr
 def compile_feed(smem_bytes: int):
     """x *= scale on a contiguous 1-D bf16 tensor with smem_bytes of dynamic shared memory (sm_90a, TVM-FFI), compiled
     once per size; called as f(x, scale) on torch's current stream."""
-    if not 0 <= smem_bytes <= 227 * 1024:
-        raise ValueError(f"compile_feed: smem_bytes must be 0..{227 * 1024} (a Hopper CTA's most), got {smem_bytes}")
+    if not 0 <= smem_bytes <= MAX_SMEM_KIB * 1024:
+        raise ValueError(f"compile_feed: smem_bytes must be 0..{MAX_SMEM_KIB * 1024} (a Hopper CTA's most), got "
+                         f"{smem_bytes}")
     x = cute.runtime.make_fake_tensor(cutlass.BFloat16, (cute.sym_int(),), stride=(1,), assumed_align=16)
     return cute.compile(_scale, x, Float32(1.0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
                         smem_bytes, options="--gpu-arch sm_90a --enable-tvm-ffi")

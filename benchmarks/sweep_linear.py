@@ -192,8 +192,12 @@ def main():
                              "of dynamic shared memory instead of torch's x.mul_(1)")
     args = parser.parse_args()
     shapes = select_shapes(parser, args.shapes)
-    if args.feed_smem_kib is not None and not 0 <= args.feed_smem_kib <= 227:
-        parser.error(f"--feed-smem-kib must be 0..227, got {args.feed_smem_kib}")
+    feed_name = "x.mul_(1)"
+    if args.feed_smem_kib is not None:
+        from feed_kernel import MAX_SMEM_KIB, make_feed
+        if not 0 <= args.feed_smem_kib <= MAX_SMEM_KIB:
+            parser.error(f"--feed-smem-kib must be 0..{MAX_SMEM_KIB}, got {args.feed_smem_kib}")
+        feed_name = f"feed_kernel x *= 1 asking {args.feed_smem_kib} KiB of shared memory"
 
     import cutlass
     import torch_tma
@@ -210,10 +214,6 @@ def main():
     table = select_variants(parser, variants(linear), args.variant)
     in_situ_names = tuple(args.in_situ or IN_SITU)
     ms = tuple(args.ms)
-    feed_name = "x.mul_(1)"
-    if args.feed_smem_kib is not None:
-        from feed_kernel import make_feed
-        feed_name = f"feed_kernel x *= 1 asking {args.feed_smem_kib} KiB of shared memory"
     # One workspace per variant: partials for 2 tiles per CTA at the largest grid, counters zero.
     workspaces = {
         name: (torch.empty(sm_count * o.ctas_per_sm * 2 * linear.M_PADS[-1] * linear.TILE_N, dtype=torch.float32,
