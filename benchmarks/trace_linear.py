@@ -15,6 +15,8 @@ Per call, from the CTAs' rows (TRACE_FIELDS in torch_tma/kernels/linear.py), med
   skew      last CTA start - first CTA start
   early     CTAs that started before the previous call's last CTA ended
   sms       SMs the call's CTAs ran on; stacked: SMs that ran two or more of them
+  pre       weight blocks a CTA asked for before griddepcontrol.wait, mean over the CTAs (KernelOptions.
+            deep_while_waiting: the half ring's, or the whole ring's where the previous launch still ran)
 and per CTA (SM clock converted with the clock rate measured from the same rows), median and max over CTAs:
   issue     start -> first weight block issued by the TMA warp
   wait      start -> griddepcontrol.wait returned in the TMA warp
@@ -80,7 +82,7 @@ def summarize(trace, fields, calls):
     col = {f: trace[..., i].double() for i, f in enumerate(fields)}
     wall_ns = col["gt_end"] - col["gt_start"]
     ghz = float(((col["clk_end"] - col["clk_start"]) / wall_ns)[wall_ns > 2000].median())
-    per_call = {"span": [], "gap": [], "skew": [], "early": [], "sms": [], "stacked": []}
+    per_call = {"span": [], "gap": [], "skew": [], "early": [], "sms": [], "stacked": [], "pre": []}
     per_cta = {"issue": [], "wait": [], "ready": [], "stream": [], "tail": [], "fixup": []}
     for i in range(SKIP_CALLS, calls):
         start, end = col["gt_start"][i], col["gt_end"][i]
@@ -92,6 +94,7 @@ def summarize(trace, fields, calls):
         sms = torch.bincount(trace[i, :, fields.index("sm")])
         per_call["sms"].append(float((sms > 0).sum()))
         per_call["stacked"].append(float((sms > 1).sum()))
+        per_call["pre"].append(float(col["pre_wait_loads"][i].mean()))
         phases = cta_phases(col, i)
         fixers = col["fixups"][i] > 0
         if bool(fixers.any()):
@@ -119,6 +122,7 @@ def cta_rows(trace, fields, calls, ghz):
         phases = cta_phases(col, i)
         for cta in range(trace.shape[1]):
             row = {"call": i, "cta": cta, "sm": int(trace[i, cta, fields.index("sm")]),
+                   "pre_wait_loads": int(trace[i, cta, fields.index("pre_wait_loads")]),
                    "start_ns": float(col["gt_start"][i][cta]) - first, "end_ns": float(col["gt_end"][i][cta]) - last}
             row.update({f"{name}_ns": round(float(v[cta]) / ghz, 1) for name, v in phases.items()})
             out.append(row)
@@ -186,7 +190,7 @@ def main():
                     cta_table += [dict(ident, **r) for r in cta_rows(trace.cpu(), fields, calls, row["sm_ghz"])]
                 print(f"{n}x{k} M={m} {name:8s} {mode:12s} {us:6.2f} us (cuBLAS {cublas_us[mode]:6.2f}) | span "
                       f"{row['span']:5.2f} gap {row['gap']:5.2f} skew {row['skew']:4.2f} early {row['early']:3.0f} SMs "
-                      f"{row['sms']:3.0f} stacked {row['stacked']:3.0f} | per CTA p50/max: issue "
+                      f"{row['sms']:3.0f} stacked {row['stacked']:3.0f} pre {row['pre']:4.1f} | per CTA p50/max: issue "
                       f"{row['issue_p50']:4.2f}/{row['issue_max']:4.2f} wait {row['wait_p50']:4.2f}/{row['wait_max']:4.2f} ready {row['ready_p50']:4.2f}/"
                       f"{row['ready_max']:4.2f} stream {row['stream_p50']:5.2f}/{row['stream_max']:5.2f} tail "
                       f"{row['tail_p50']:4.2f}/{row['tail_max']:4.2f} fixup {row.get('fixup_p50', 0):4.2f}/"

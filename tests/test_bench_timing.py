@@ -114,8 +114,9 @@ def test_clock_summary():
 
 
 def test_trace_cta_rows():
-    """benchmarks/trace_linear.py --cta-csv: one row per CTA of each call after the skipped ones, its SM, its start
-    and end against the call's first start and last end (globaltimer ns), its phases from the SM clock in ns."""
+    """benchmarks/trace_linear.py --cta-csv: one row per CTA of each call after the skipped ones, its SM, the weight
+    blocks it asked for before griddepcontrol.wait, its start and end against the call's first start and last end
+    (globaltimer ns), its phases from the SM clock in ns."""
     import torch
     import trace_linear
     from torch_tma.kernels.linear import TRACE_FIELDS
@@ -125,11 +126,12 @@ def test_trace_cta_rows():
     values = {  # per CTA of the last call; SM clock at 2 GHz (2 cycles per ns)
         "gt_start": (1000, 1300), "gt_end": (9000, 9500), "clk_start": (100, 50), "clk_first_issue": (300, 250),
         "clk_wait_done": (500, 450), "clk_first_ready": (2100, 2050), "clk_last_release": (14100, 16050),
-        "clk_end": (14500, 17050), "sm": (7, 12)}
+        "clk_end": (14500, 17050), "sm": (7, 12), "pre_wait_loads": (6, 11)}
     for name, per_cta in values.items():
         trace[-1, :, TRACE_FIELDS.index(name)] = torch.tensor(per_cta)
     rows = trace_linear.cta_rows(trace, TRACE_FIELDS, calls, 2.0)
-    assert [(r["call"], r["cta"], r["sm"]) for r in rows] == [(calls - 1, 0, 7), (calls - 1, 1, 12)]
+    assert [(r["call"], r["cta"], r["sm"], r["pre_wait_loads"]) for r in rows] == [(calls - 1, 0, 7, 6),
+                                                                                  (calls - 1, 1, 12, 11)]
     assert [(r["start_ns"], r["end_ns"]) for r in rows] == [(0.0, -500.0), (300.0, 0.0)]
     assert [(r["issue_ns"], r["wait_ns"], r["ready_ns"], r["stream_ns"], r["tail_ns"]) for r in rows] == [
         (100.0, 200.0, 1000.0, 6000.0, 200.0), (100.0, 200.0, 1000.0, 7000.0, 500.0)]

@@ -83,6 +83,8 @@ OPTION_VARIANTS = [
     linear.DEFAULT_OPTIONS._replace(x_multicast=4, x_multicast_min_m_pad=16, x_shared=False),
     # the filled ring at every M, at most 4 loads in flight once the PDL wait has returned
     linear.DEFAULT_OPTIONS._replace(ring_fill_min_m_pad=linear.M_PADS[0], steady_depth=4),
+    # below m_pad 64 the filled ring's memory, its rest asked for only while the previous launch runs 3,000 cycles on
+    linear.DEFAULT_OPTIONS._replace(deep_while_waiting=3000),
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
@@ -93,6 +95,7 @@ OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-c
               f"{'-ring' * (o.own_partial_bytes != linear.OWN_PARTIAL_BYTES)}{'-nobeside' * (o.cluster_scatter and not o.partials_beside)}"
               f"{f'-xmc{o.x_multicast}' * (o.x_multicast > 1)}{'-place' * (o.x_multicast > 1 and not o.x_shared)}"
               f"{f'-steady{o.steady_depth}' * bool(o.steady_depth)}"
+              f"{f'-waiting{o.deep_while_waiting}' * bool(o.deep_while_waiting)}"
               for o in OPTION_VARIANTS]
 
 
@@ -1007,6 +1010,58 @@ def test_steady_depth_gates_the_main_loop(tmp_path):
     o._replace(steady_depth=2, wgmma_in_flight=2).check()
 
 
+def test_deep_while_waiting_polls_before_the_wait_and_gates_after(tmp_path):
+    """KernelOptions.deep_while_waiting: options_for keeps it (with the filled ring) only below ring_fill_min_m_pad where
+    the partials lie beside the ring and the filled ring is deeper than the half (4096x4096 M=16: 11 stages against 6),
+    and drops it at M=64 (filled anyway) and on stream-K builds (no filled ring). Its PTX, against the same filled ring
+    without it: the TMA warp reads the SM clock and polls one mbarrier (mbarrier.test_wait) before griddepcontrol.wait,
+    against the threshold (a 64-bit compare with threshold - 1, which moves with the option); one MMA thread arrives on
+    that barrier after its own wait; a second weight load site (the rest of the ring) before the wait; the main loop
+    waits on one more empty barrier (the half ring's gate, stages - half ahead; test_steady_depth_gates_the_main_loop
+    places the same gate after the wait). Bad values and clashing options are refused."""
+    policy = linear.DEFAULT_OPTIONS._replace(deep_while_waiting=5000)
+    o = linear.options_for(policy, 4096, 4096, 16, *H200)
+    stages, half = linear.ring_stages(16, o), linear.ring_stages(16, o._replace(ring_fill=False))
+    assert o.ring_fill and o.deep_while_waiting == 5000 and (stages, half) == (11, 6)
+    assert linear.options_for(policy, 4096, 4096, 64, *H200).deep_while_waiting == 0
+    assert linear.options_for(policy, 4096, 4096, 64, *H200).ring_fill
+    stream_k = linear.options_for(policy, 57344, 8192, 16, *H200)
+    assert stream_k.cluster_k == 0 and not stream_k.ring_fill and stream_k.deep_while_waiting == 0
+    assert linear.options_for(linear.DEFAULT_OPTIONS, 4096, 4096, 16, *H200) == o._replace(
+        ring_fill=False, deep_while_waiting=0)
+
+    def ptx(options, name):
+        dump = tmp_path / name
+        dump.mkdir()
+        text, _ = _ptx_and_cubin(torch.bfloat16, 16, False, dump, options)
+        return "".join(line + "\n" for line in text.splitlines() if not line.startswith("//"))
+
+    def adds(code, constant):
+        return len(re.findall(rf"add\.s32\s+%r\d+, %r\d+, {constant};", code))
+
+    fill = ptx(o._replace(deep_while_waiting=0), "fill")
+    waiting = ptx(o, "waiting")
+    assert "mbarrier.test_wait" not in fill and "%clock64" not in fill
+    assert waiting.count("mbarrier.test_wait") == 1 and waiting.count("%clock64") == 2
+    tma_wait = waiting.index("griddepcontrol.wait;", waiting.index("mbarrier.test_wait"))
+    assert waiting.index("%clock64") < waiting.index("mbarrier.test_wait") < tma_wait
+    assert re.search(r"setp\.gt\.s64\s+%p\d+, %rd\d+, 4999;", waiting[:tma_wait])
+    assert re.search(r"setp\.gt\.s64\s+%p\d+, %rd\d+, 2999;", ptx(o._replace(deep_while_waiting=3000), "w3k"))
+    assert waiting.count("griddepcontrol.wait;") == fill.count("griddepcontrol.wait;") == 2
+    arrive = re.compile(r"mbarrier\.arrive\.(?:release\.cta\.)?shared(?:::cta)?\.b64")
+    assert len(arrive.findall(waiting)) == len(arrive.findall(fill)) + 1
+    # one more weight load site before the wait (the rest of the ring, with its slot's acquire) and the gate's wait
+    assert len(TMA_LOAD_DESCRIPTOR.findall(waiting)) == len(TMA_LOAD_DESCRIPTOR.findall(fill)) + 1
+    assert waiting.count(MBARRIER_WAIT) == fill.count(MBARRIER_WAIT) + 2
+    assert adds(waiting, stages - half) > adds(fill, stages - half)
+    for bad, match in ((-1, "must be >= 0"),):
+        with pytest.raises(ValueError, match=match):
+            o._replace(deep_while_waiting=bad).check()
+    for clash in (dict(pre_wait_blocks=6), dict(steady_depth=6), dict(weight_before_wait=False)):
+        with pytest.raises(ValueError, match="deep_while_waiting needs weight_before_wait"):
+            o._replace(**clash).check()
+
+
 @pytest.mark.parametrize("m_pad", [32, 64])
 def test_partials_beside_build_has_no_drained_handshake(m_pad, tmp_path):
     """A partials_beside build of 3 CTAs per tile sends every piece it does not own with st.async and never arrives on
@@ -1115,6 +1170,56 @@ def test_steady_depth_matches_plain_bitwise():
                 _check(out, x, weight, b, f"steady_depth={depth} {n}x{k} M={m}")
                 assert torch.equal(outs[0], out), f"steady_depth={depth} {n}x{k} M={m}: differs from the plain build"
             assert int(workspace.arrivals.abs().sum()) == 0
+
+
+@on_gpu
+def test_deep_while_waiting_both_paths_bitwise():
+    """deep_while_waiting, launched CHAIN times back to back (with PDL each launch may start while the one before
+    still streams) as trace builds that record how many weight blocks each CTA asked for before griddepcontrol.wait:
+    with a threshold of 500 SM cycles some CTA of the chain asks for the whole ring (the previous launch still ran),
+    with 10**8 (~50 ms) every CTA asks for the half ring's blocks only (the spin ends when the wait returns); every
+    count is one of the two, and every y is bit for bit the plain build's (the shipped half ring) and matches the
+    float64 reference, poisoned with NaN before the chain: 4096x4096 and 4096x14336 at M=1, 16 and 32 (filled rings
+    of 12, 11 and 9 stages against 6, 6 and 5), bias at odd M."""
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    capacity = linear.cluster_capacity(0)
+    workspace = linear._workspace(0)
+    chain = 6
+    deep_seen = 0
+    for n, k in [(4096, 4096), (4096, 14336)]:
+        for m in (1, 16, 32):
+            x, weight, b = _random(m, n, k, torch.bfloat16, m % 2 == 1)
+            plain = linear.options_for(linear.DEFAULT_OPTIONS, n, k, m, sm_count, capacity)
+            (reference,) = _launch_each(x, weight, b, [plain], workspace, sm_count)
+            _check(reference, x, weight, b, f"plain {n}x{k} M={m}")
+            weight_map = _weight_map(weight).ptr
+            for threshold in (500, 10**8):
+                o = linear.options_for(linear.DEFAULT_OPTIONS._replace(deep_while_waiting=threshold, trace=True),
+                                       n, k, m, sm_count, capacity)
+                stages, half = linear.ring_stages(linear.m_pad(m), o), linear.ring_stages(
+                    linear.m_pad(m), o._replace(ring_fill=False))
+                assert o.deep_while_waiting == threshold and stages > half, (n, k, m)
+                compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(m), b is not None, "", o)
+                num_ctas = linear.grid_size(n, k, sm_count, o)
+                blocks = -(-k // linear.TILE_K)
+                runs = {blocks // o.cluster_k, -(-blocks // o.cluster_k)}  # a cluster rank's run: either length
+                traces = torch.zeros(chain, num_ctas, len(linear.TRACE_FIELDS), dtype=torch.int64, device="cuda")
+                outs = [torch.full((m, n), math.nan, dtype=x.dtype, device="cuda") for _ in range(chain)]
+                for out, trace in zip(outs, traces):
+                    compiled(x, weight, b, out, workspace.partials, workspace.arrivals, weight_map, num_ctas, trace)
+                torch.cuda.synchronize()
+                label = f"deep_while_waiting={threshold} {n}x{k} M={m}"
+                for out in outs:
+                    _check(out, x, weight, b, label)
+                    assert torch.equal(out, reference), f"{label}: differs from the plain build"
+                pre = traces[..., linear.TRACE_FIELDS.index("pre_wait_loads")].cpu()
+                assert set(pre.flatten().tolist()) <= {min(d, r) for d in (half, stages) for r in runs}, label
+                if threshold == 10**8:
+                    assert int((pre > half).sum()) == 0, f"{label}: a CTA asked for the whole ring"
+                else:
+                    deep_seen += int((pre > half).sum())
+            assert int(workspace.arrivals.abs().sum()) == 0
+    assert deep_seen > 0, "no CTA of any back-to-back chain asked for the whole ring at 500 cycles"
 
 
 @on_gpu

@@ -117,6 +117,7 @@ TRACE_FIELDS = (
     "fixups",  # tiles this CTA summed as the last arriver (cluster split: 1 in a CTA that sums a share, every
     # CTA with cluster_scatter where the tile's outputs are more pieces than CTAs, else CTA 0)
     "sm",  # %smid of the SM the CTA ran on
+    "pre_wait_loads",  # weight blocks the TMA warp asked for before griddepcontrol.wait (deep_while_waiting)
 )
 
 _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
@@ -242,6 +243,16 @@ class KernelOptions(NamedTuple):
         (docs/linear.md), every bound lost all 12 back-to-back cells to the shipped defaults ("steady4" on the shipped
         rings: 4096x4096 M=64 11.11 against 10.27 us) and in situ 10 or 12 of 12; on the filled ring a bound of 6
         took back part of its in-situ loss at 4096x14336 (M=1 31.07 against 32.66 us; shipped 29.98).
+    deep_while_waiting: a filled ring that asks for its depth only while the previous launch still runs, for launches
+        whose partials lie beside the ring below ring_fill_min_m_pad (options_for; 0: off). Such a build gets the
+        filled ring's shared memory; its TMA warp asks for the half ring's weight blocks (the ring without ring_fill)
+        before griddepcontrol.wait as shipped, then polls a shared-memory barrier that one MMA thread arrives on once
+        its own griddepcontrol.wait has returned. If the barrier is still open this many SM cycles (clock64) after the
+        TMA warp started, the CTA asks for the rest of the ring's weight blocks before the wait too and keeps the whole
+        ring's depth after it; otherwise it keeps at most the half ring's stages issued and not yet released (the gate
+        of steady_depth). The filled ring won back to back (the previous launch still streaming) and lost in situ
+        (sweep runs 32-33; trace run 19: in situ the wait returned 1.3-2.4 us after the CTA's start, back to back
+        3.0-7.5 us, on an H100), which this lets each CTA tell apart.
     pre_wait_blocks: with weight_before_wait, at most this many weight blocks go out before griddepcontrol.wait
         (0: the whole ring); the rest of the ring fills after the wait. A deep ring asks DRAM for all its stages at
         once and its first stage lands last (docs/linear.md, trace run 8); a smaller first request lands it sooner.
@@ -355,6 +366,7 @@ class KernelOptions(NamedTuple):
     ring_fill: bool = False
     ring_fill_min_m_pad: int = M_PADS[0]
     steady_depth: int = 0
+    deep_while_waiting: int = 0
     exclusive_sm: bool = False
     cluster_split: int = 0
     cluster_k: int = 0
@@ -449,6 +461,11 @@ class KernelOptions(NamedTuple):
                              f"({self.wgmma_in_flight}: the stages the MMA warps hold), got {self.steady_depth!r}")
         if self.pre_wait_blocks < 0:
             raise ValueError(f"KernelOptions.pre_wait_blocks must be >= 0, got {self.pre_wait_blocks!r}")
+        if self.deep_while_waiting < 0:
+            raise ValueError(f"KernelOptions.deep_while_waiting must be >= 0, got {self.deep_while_waiting!r}")
+        if self.deep_while_waiting and (not self.weight_before_wait or self.pre_wait_blocks or self.steady_depth):
+            raise ValueError("KernelOptions.deep_while_waiting needs weight_before_wait (and pdl) and sets the loads "
+                             "before the wait and the depth after it: pre_wait_blocks and steady_depth must be 0")
         if self.own_partial_bytes < 0:
             raise ValueError(f"KernelOptions.own_partial_bytes must be >= 0, got {self.own_partial_bytes!r}")
         if self.exclusive_max_blocks < 0:
@@ -870,7 +887,8 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
     one CTA per SM takes its SMs alone (exclusive_sm); at M_PADS[-1], the
     deep ring with two wgmma in flight where each CTA streams at least options.deep_ring_blocks blocks and the
     decomposition stays the same; ring_fill only where the partials lie beside the ring and M pads to at least
-    ring_fill_min_m_pad; and x_cluster from the x_multicast policy (x_cluster_for). capacity: the GPU's
+    ring_fill_min_m_pad, or below it with deep_while_waiting where the filled ring is deeper than the half (that option
+    0 everywhere else); and x_cluster from the x_multicast policy (x_cluster_for). capacity: the GPU's
     cluster_capacity, needed when options.cluster_fit.
 
     Why not early: with the trigger at CTA start, the next launch's CTAs take the second slot of SMs this launch
@@ -888,7 +906,11 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
         resolved = resolved._replace(trigger_lead=0)  # one build where the lead cannot apply
     if not partials_beside_ring(m_pad(M), resolved):
         resolved = resolved._replace(partials_beside=False)  # likewise
-    if not resolved.partials_beside or m_pad(M) < options.ring_fill_min_m_pad:
+    fill = resolved.ring_fill and resolved.partials_beside
+    if not fill or m_pad(M) >= options.ring_fill_min_m_pad or ring_stages(m_pad(M), resolved) <= ring_stages(
+            m_pad(M), resolved._replace(ring_fill=False)):
+        resolved = resolved._replace(deep_while_waiting=0)  # the whole ring or none, or one no deeper than the half
+    if not fill or m_pad(M) < options.ring_fill_min_m_pad and not resolved.deep_while_waiting:
         resolved = resolved._replace(ring_fill=False)  # likewise
     return resolved._replace(x_cluster=x_cluster_for(N, m_pad(M), resolved, capacity))
 
@@ -1000,6 +1022,9 @@ class WeightStreamingLinear:
                              f"shares of fewer than 8 rows (one 128B swizzle atom)")
         self.in_ring = (options.cluster_k > 1 and not self.beside
                         and partials_in_ring(m_pad_, options.cluster_k, options.own_partial_bytes))
+        # deep_while_waiting: the half ring's depth, which a CTA keeps unless the previous launch still runs
+        self.half = min(stages, ring_stages(m_pad_, options._replace(ring_fill=False)))
+        self.waiting = options.deep_while_waiting > 0 and options.ring_fill and self.half < stages
         if self.in_ring and self.cluster_elems * 4 > _weight_ring_bytes(stages):
             raise ValueError(f"WeightStreamingLinear: {self.cluster_elems * 4} bytes of partials do not fit in a ring "
                              f"of {stages} stages")
@@ -1048,6 +1073,7 @@ class WeightStreamingLinear:
                                                 16]
             cluster_barrier: cute.struct.MemRange[Int64, 1]
             drained_barrier: cute.struct.MemRange[Int64, 1]
+            waited_barrier: cute.struct.MemRange[Int64, 1]  # deep_while_waiting: an MMA thread's wait has returned
 
         self.shared_storage = SharedStorage
         # exclusive_sm: ask for more than the ring uses, so that no second CTA fits on the SM
@@ -1117,6 +1143,10 @@ class WeightStreamingLinear:
         # 0..x_cluster-1 arrive remotely; the pipeline works the count out from the MMA threads), and the cluster syncs
         # once here, before any CTA's multicast can reach another's barriers
         multicast = self.x_mcast > 1
+        if cutlass.const_expr(self.waiting):
+            if tidx == 0:  # ordered before the TMA warp's polls by the pipeline's sync below
+                cute.arch.mbarrier_init(storage.waited_barrier.data_ptr(), 1)
+                cute.arch.mbarrier_init_fence()
         loads = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.stage_barriers.data_ptr(),
             num_stages=self.stages,
@@ -1187,11 +1217,14 @@ class WeightStreamingLinear:
         if warp_idx == self.options.producer_warp:
             self.load_run(
                 w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
-                trace, cta, tidx, x_rank,
+                trace, cta, tidx, x_rank, storage.waited_barrier.data_ptr(),
             )
         if warp_idx < self.options.producer_warp:
             if cutlass.const_expr(self.options.pdl):
                 cute.arch.griddepcontrol_wait()  # out, partials and arrivals may still be in the previous grid's use
+                if cutlass.const_expr(self.waiting):
+                    if tidx == 0:
+                        cute.arch.mbarrier_arrive(storage.waited_barrier.data_ptr())  # the TMA warp polls it
             self.mma_run(
                 tiled_mma, w_tiles, x_tiles, loads, bias, out, partials, arrivals,
                 storage.fixup_count.get_tensor(cute.make_layout(1)), cluster_partials,
@@ -1206,10 +1239,12 @@ class WeightStreamingLinear:
     @cute.jit
     def load_run(
         self, w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
-        trace, cta, tidx, x_rank,
+        trace, cta, tidx, x_rank, waited,
     ):
         """Warp 4: TMA-load weight block (tile, kb) and x block kb for every iteration of this CTA's run (with
-        x_shared, its share x_rank of x block kb, multicast to the cluster)."""
+        x_shared, its share x_rank of x block kb, multicast to the cluster). waited: the barrier an MMA thread arrives
+        on once its griddepcontrol.wait has returned (deep_while_waiting builds)."""
+        start = cute.arch.clock64() if cutlass.const_expr(self.waiting) else Int64(0)
         # outside the elected copy branches, with the acquire fence; None: the atom's own descriptor (a kernel parameter)
         weight_map_ptr = (tma_desc_ptr(weight_map, scope=self.options.fence_scope)
                           if cutlass.const_expr(self.options.weight_descriptor == "cache") else None)
@@ -1225,27 +1260,29 @@ class WeightStreamingLinear:
         col = (run_begin - tile * k_blocks) * TILE_K
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         first = run_begin  # first iteration that loads weight and x together
+        deep = Int32(0)  # deep_while_waiting: 1 where this CTA asked for the whole ring before the wait
         if cutlass.const_expr(self.options.weight_before_wait):
             # The weight blocks of the first ring's worth of iterations go out before the wait, their x
             # blocks after it: both land on the stage's barrier, which expects their sum.
             pre_wait = min(self.stages, self.options.pre_wait_blocks) if self.options.pre_wait_blocks else self.stages
+            if cutlass.const_expr(self.waiting):
+                pre_wait = self.half
             first = cutlass.min(run_end, run_begin + pre_wait)
             x_col = col
             for _ in cutlass.range(run_begin, first, unroll=1):
-                w_smem_dst, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
-                loads.producer_acquire(state)
-                cute.copy(
-                    w_atom, w_src, w_smem_dst[(None, state.index)],
-                    tma_bar_ptr=loads.producer_get_barrier(state), tma_desc_ptr=weight_map_ptr, cache_policy=w_policy,
-                )
-                state.advance()
-                if cutlass.const_expr(self.options.trace):
-                    if tidx == self.options.producer_warp * 32 and state.count == 1:
-                        trace[cta, 3] = cute.arch.clock64()
-                # Branch-free step to the next block: with an `if` here, ptxas predicates the R2UR of row.
-                wrapped = (col + TILE_K) // (k_blocks * TILE_K)
-                col = col + TILE_K - wrapped * (k_blocks * TILE_K)
-                row = row + wrapped * TILE_N
+                row, state, col = self._weight_load(w_atom, w_coords, w_dst, loads, state, row, col, k_blocks,
+                                                    weight_map_ptr, w_policy, trace, cta, tidx)
+            if cutlass.const_expr(self.waiting):
+                # the previous launch still runs: the rest of the ring's weight blocks too (none if deep is 0)
+                deep = self._still_waiting(waited, start)
+                ring_end = first + deep * (cutlass.min(run_end, run_begin + self.stages) - first)
+                for _ in cutlass.range(first, ring_end, unroll=1):
+                    row, state, col = self._weight_load(w_atom, w_coords, w_dst, loads, state, row, col, k_blocks,
+                                                        weight_map_ptr, w_policy, trace, cta, tidx)
+                first = ring_end
+            if cutlass.const_expr(self.options.trace):
+                if tidx == self.options.producer_warp * 32:
+                    trace[cta, 11] = Int64(first - run_begin)
             cute.arch.griddepcontrol_wait()  # x is the previous kernel's output
             if cutlass.const_expr(self.options.trace):
                 if tidx == self.options.producer_warp * 32:
@@ -1270,16 +1307,23 @@ class WeightStreamingLinear:
         # steady_depth: before load g, wait until load g - steady_depth has been released, i.e. for the slot that load
         # g - steady_depth + stages would acquire. gate runs stages - steady_depth loads ahead of state; in its first
         # lap (loads the ring has not held yet) its waits pass at once.
+        # deep_while_waiting: a CTA that did not ask for the whole ring keeps the half ring's depth (the same gate).
         gated = 0 < self.options.steady_depth < self.stages
         gate = state.clone()
         if cutlass.const_expr(gated):
             gate.advance(self.stages - self.options.steady_depth)
+        elif cutlass.const_expr(self.waiting):
+            gate.advance(self.stages - self.half)
         for i in cutlass.range(first, run_end, unroll=1):
             w_smem_dst, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
             x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, col, self.m_pad, x_rank, self.x_mcast)
             if cutlass.const_expr(gated):
                 loads.sync_object_empty.wait(gate.index, gate.phase)
                 gate.advance()
+            elif cutlass.const_expr(self.waiting):
+                if deep == 0:
+                    loads.sync_object_empty.wait(gate.index, gate.phase)
+                    gate.advance()
             loads.producer_acquire(state)  # waits for the slot, then expects stage_bytes on its barrier
             barrier = loads.producer_get_barrier(state)
             cute.copy(w_atom, w_src, w_smem_dst[(None, state.index)], tma_bar_ptr=barrier, tma_desc_ptr=weight_map_ptr,
@@ -1300,6 +1344,42 @@ class WeightStreamingLinear:
             # every weight load of this CTA is issued (a no-op where the trigger_lead one went out: once per CTA)
             cute.arch.griddepcontrol_launch_dependents()
         loads.producer_tail(state)
+
+    @cute.jit
+    def _weight_load(self, w_atom, w_coords, w_dst, loads, state, row, col, k_blocks, weight_map_ptr, w_policy, trace,
+                     cta, tidx):
+        """One weight block before griddepcontrol.wait (its x block follows after it) at element (row, col) into
+        state's stage; returns the next block's row, state (advanced) and the next block's col. Returning state lets
+        the caller's loop carry it (a loop carries what its body rebinds), in the order the inlined loop had."""
+        w_smem_dst, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
+        loads.producer_acquire(state)
+        cute.copy(
+            w_atom, w_src, w_smem_dst[(None, state.index)],
+            tma_bar_ptr=loads.producer_get_barrier(state), tma_desc_ptr=weight_map_ptr, cache_policy=w_policy,
+        )
+        state.advance()
+        if cutlass.const_expr(self.options.trace):
+            if tidx == self.options.producer_warp * 32 and state.count == 1:
+                trace[cta, 3] = cute.arch.clock64()
+        # Branch-free step to the next block: with an `if` here, ptxas predicates the R2UR of row.
+        wrapped = (col + TILE_K) // (k_blocks * TILE_K)
+        col = col + TILE_K - wrapped * (k_blocks * TILE_K)
+        row = row + wrapped * TILE_N
+        return row, state, col
+
+    @cute.jit
+    def _still_waiting(self, waited, start):
+        """deep_while_waiting: 1 if the barrier `waited` (an MMA thread's griddepcontrol.wait has returned) is still
+        open deep_while_waiting SM cycles after `start`, 0 as soon as it completes before then."""
+        deep = Int32(0)
+        spinning = Int32(1)
+        while spinning == 1:
+            if cute.arch.mbarrier_test_wait(waited, 0):
+                spinning = Int32(0)
+            elif cute.arch.clock64() - start >= self.options.deep_while_waiting:
+                spinning = Int32(0)
+                deep = Int32(1)
+        return deep
 
     @staticmethod
     def _block(atom, coords, smem, row, col, rows, rank=0, ctas=1):
