@@ -1370,7 +1370,8 @@ class WeightStreamingLinear:
     @cute.jit
     def _still_waiting(self, waited, start):
         """deep_while_waiting: 1 if the barrier `waited` (an MMA thread's griddepcontrol.wait has returned) is still
-        open deep_while_waiting SM cycles after `start`, 0 as soon as it completes before then."""
+        open deep_while_waiting SM cycles after `start`, 0 as soon as it completes before then; lane 0 decides for
+        the warp."""
         deep = Int32(0)
         spinning = Int32(1)
         while spinning == 1:
@@ -1379,7 +1380,7 @@ class WeightStreamingLinear:
             elif cute.arch.clock64() - start >= self.options.deep_while_waiting:
                 spinning = Int32(0)
                 deep = Int32(1)
-        return deep
+        return cute.arch.shuffle_sync(deep, 0)  # lane 0's answer in every lane: one decision for the warp
 
     @staticmethod
     def _block(atom, coords, smem, row, col, rows, rank=0, ctas=1):
