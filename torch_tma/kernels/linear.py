@@ -1126,6 +1126,7 @@ class WeightStreamingLinear:
                 trace[cta, 2] = cute.arch.clock64()
                 trace[cta, 8] = Int64(0)
                 trace[cta, 9] = Int64(0)
+                trace[cta, 11] = Int64(0)
                 trace[cta, 10] = Int64(cute.arch.smid())
 
         if cutlass.const_expr(self.options.descriptor_prefetch != "" and self.options.weight_descriptor == "cache"):
@@ -1273,9 +1274,12 @@ class WeightStreamingLinear:
                 row, state, col = self._weight_load(w_atom, w_coords, w_dst, loads, state, row, col, k_blocks,
                                                     weight_map_ptr, w_policy, trace, cta, tidx)
             if cutlass.const_expr(self.waiting):
-                # the previous launch still runs: the rest of the ring's weight blocks too (none if deep is 0)
-                deep = self._still_waiting(waited, start)
-                ring_end = first + deep * (cutlass.min(run_end, run_begin + self.stages) - first)
+                # the previous launch still runs: the rest of the ring's weight blocks too (none if deep is 0; no
+                # poll where the run has none left)
+                rest = cutlass.min(run_end, run_begin + self.stages)
+                if first < rest:
+                    deep = self._still_waiting(waited, start)
+                ring_end = first + deep * (rest - first)
                 for _ in cutlass.range(first, ring_end, unroll=1):
                     row, state, col = self._weight_load(w_atom, w_coords, w_dst, loads, state, row, col, k_blocks,
                                                         weight_map_ptr, w_policy, trace, cta, tidx)
