@@ -36,21 +36,22 @@ each CTA loading its own x (the clusters only place the CTAs); "fill": launches 
 it all the shared memory the partials leave at every M (KernelOptions.ring_fill; shipped: for m_pad 64, M 33-64);
 "fill-pre6": that with at most 6 weight blocks requested before the PDL wait; "no-fill": at no M, as before sweep run
 32; "fill-steady6" and "fill-steady4": "fill" with at most 6 or 4 stages issued and not released once the wait has
-returned (KernelOptions.steady_depth); "steady4": the shipped rings with at most 4; "waiting3k", "waiting5k",
-"waiting8k": below m_pad 64 the filled ring's shared memory, the half ring's weight blocks before the wait, the rest of
-the ring too only in CTAs whose previous launch still runs 3,000, 5,000 or 8,000 SM cycles after the TMA warp starts,
-the half ring's depth after the wait in the others (KernelOptions.deep_while_waiting); "two-wg": two consumer warpgroups
-of 64 weight rows each; "two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier runs also
-swept the weight loaded without the L2 evict-first hint, the release form of the cluster barrier's entry arrive, the
-descriptor prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters that do not
-all run at once, the cluster split's bounds, a second wgmma in flight on the half-SM ring, PDL, the descriptor fence
-scope, shares of the shared memory and two CTAs per SM: see docs/linear.md; every variant is built from the current
-DEFAULT_OPTIONS, so at M 33-64 on long runs "full-ring", "x-evict-last" and "two-wg" now get the deep ring too), each
-shape N x K in SHAPES (or --shapes) and M in MS (or --ms) (bf16, no bias): first validate the variant's output against
-the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|, output poisoned with NaN before the
-launch), then time it as CUDA events around replays of one CUDA graph of back-to-back calls, each on the next of several
-weight copies (together ~7x the 60 MB L2). cuBLAS (F.linear) is timed the same way in the same run. Variants launch the
-compiled kernel directly with their own split-K workspace, so the host path (linear_out) is not involved.
+returned (KernelOptions.steady_depth); "steady4": the shipped rings with at most 4; "waiting2k" to "waiting5k" by
+1,000 and "waiting8k": below m_pad 64 the filled ring's shared memory, the half ring's weight blocks before the wait,
+the rest of the ring too only in CTAs whose previous launch still runs that many thousand SM cycles after the TMA warp
+starts, the half ring's depth after the wait in the others (KernelOptions.deep_while_waiting); "two-wg": two consumer
+warpgroups of 64 weight rows each; "two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier
+runs also swept the weight loaded without the L2 evict-first hint, the release form of the cluster barrier's entry
+arrive, the descriptor prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters
+that do not all run at once, the cluster split's bounds, a second wgmma in flight on the half-SM ring, PDL, the
+descriptor fence scope, shares of the shared memory and two CTAs per SM: see docs/linear.md; every variant is built
+from the current DEFAULT_OPTIONS, so at M 33-64 on long runs "full-ring", "x-evict-last" and "two-wg" now get the deep
+ring too), each shape N x K in SHAPES (or --shapes) and M in MS (or --ms) (bf16, no bias): first validate the
+variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|, output
+poisoned with NaN before the launch), then time it as CUDA events around replays of one CUDA graph of back-to-back
+calls, each on the next of several weight copies (together ~7x the 60 MB L2). cuBLAS (F.linear) is timed the same way
+in the same run. Variants launch the compiled kernel directly with their own split-K workspace, so the host path
+(linear_out) is not involved.
 
 "In situ" (the IN_SITU variants, or those named by --in-situ, and cuBLAS): the same graph with a small elementwise
 kernel on x before every call (x *= 1), as in a model where a norm or an activation feeds each linear layer; the time
@@ -140,7 +141,7 @@ def variants(linear):
         "steady4": shipped._replace(steady_depth=4),
         # below m_pad 64, the filled ring asked for only while the previous launch still runs that many SM cycles after
         # the TMA warp's start (KernelOptions.deep_while_waiting); other CTAs keep to the half ring's depth
-        **{f"waiting{c // 1000}k": shipped._replace(deep_while_waiting=c) for c in (3000, 5000, 8000)},
+        **{f"waiting{c // 1000}k": shipped._replace(deep_while_waiting=c) for c in (2000, 3000, 4000, 5000, 8000)},
         # at most 2 CTAs per row tile: 4096x4096 on 64 SMs, so two launches in a row fit beside each other
         "half-grid": shipped._replace(cluster_max_k=2),
         "x-evict-last": shipped._replace(x_eviction="last"),  # x loads marked evict-last in L2

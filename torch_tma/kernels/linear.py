@@ -252,7 +252,9 @@ class KernelOptions(NamedTuple):
         ring's depth after it; otherwise it keeps at most the half ring's stages issued and not yet released (the gate
         of steady_depth). The filled ring won back to back (the previous launch still streaming) and lost in situ
         (sweep runs 32-33; trace run 19: in situ the wait returned 1.3-2.4 us after the CTA's start, back to back
-        3.0-7.5 us, on an H100), which this lets each CTA tell apart.
+        3.0-7.5 us, on an H100), which this lets each CTA tell apart. Measured on an H100 (sweep runs 35-36), not
+        shipped: at 2,000-8,000 cycles it kept the half ring's in-situ times and took back only part of the filled
+        ring's back-to-back gain (geomean 1.120x at 2,000 against 1.116x shipped and 1.126x filled).
     pre_wait_blocks: with weight_before_wait, at most this many weight blocks go out before griddepcontrol.wait
         (0: the whole ring); the rest of the ring fills after the wait. A deep ring asks DRAM for all its stages at
         once and its first stage lands last (docs/linear.md, trace run 8); a smaller first request lands it sooner.
