@@ -39,7 +39,7 @@ def main():
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     cache = torch_tma.default_cache(torch.device("cuda"))
     partials = torch.empty(sm_count * 2 * 2 * linear.M_PADS[-1] * linear.TILE_N, dtype=torch.float32, device="cuda")
-    arrivals = torch.zeros(linear.MAX_ROW_TILES, dtype=torch.int32, device="cuda")
+    arrivals = torch.zeros(linear.ARRIVAL_WORDS, dtype=torch.int32, device="cuda")
     for n, k in SHAPES:
         weight = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
         wmap = cache.get(weight, linear.weight_box(n, k, weight.dtype), swizzle=linear.weight_swizzle(weight.dtype),

@@ -39,7 +39,8 @@ it all the shared memory the partials leave at every M (KernelOptions.ring_fill;
 returned (KernelOptions.steady_depth); "steady4": the shipped rings with at most 4; "waiting2k" to "waiting5k" by
 1,000 and "waiting8k": below m_pad 64 the filled ring's shared memory, the half ring's weight blocks before the wait,
 the rest of the ring too only in CTAs whose previous launch still runs that many thousand SM cycles after the TMA warp
-starts, the half ring's depth after the wait in the others (KernelOptions.deep_while_waiting); "two-wg": two consumer
+starts, the half ring's depth after the wait in the others (KernelOptions.deep_while_waiting); "signal": the same
+choice made from the previous launch's CTAs that still stream (KernelOptions.deep_signal); "two-wg": two consumer
 warpgroups of 64 weight rows each; "two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier
 runs also swept the weight loaded without the L2 evict-first hint, the release form of the cluster barrier's entry
 arrive, the descriptor prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters
@@ -142,6 +143,9 @@ def variants(linear):
         # below m_pad 64, the filled ring asked for only while the previous launch still runs that many SM cycles after
         # the TMA warp's start (KernelOptions.deep_while_waiting); other CTAs keep to the half ring's depth
         **{f"waiting{c // 1000}k": shipped._replace(deep_while_waiting=c) for c in (2000, 3000, 4000, 5000, 8000)},
+        # ... or only where the previous launch's CTAs still count themselves in the workspace's LIVE_WORD
+        # (KernelOptions.deep_signal): counted as each CTA triggers the next launch, uncounted as its ring drains
+        "signal": shipped._replace(deep_signal=True),
         # at most 2 CTAs per row tile: 4096x4096 on 64 SMs, so two launches in a row fit beside each other
         "half-grid": shipped._replace(cluster_max_k=2),
         "x-evict-last": shipped._replace(x_eviction="last"),  # x loads marked evict-last in L2
@@ -225,7 +229,7 @@ def main():
     workspaces = {
         name: (torch.empty(sm_count * o.ctas_per_sm * 2 * linear.M_PADS[-1] * linear.TILE_N, dtype=torch.float32,
                            device=device),
-               torch.zeros(linear.MAX_ROW_TILES, dtype=torch.int32, device=device))
+               torch.zeros(linear.ARRIVAL_WORDS, dtype=torch.int32, device=device))
         for name, o in table.items()
     }
     for o in table.values():  # compile up front so compile time shows apart from measurement

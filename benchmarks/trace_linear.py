@@ -150,7 +150,7 @@ def main():
     stream = torch.cuda.Stream()
     fields = linear.TRACE_FIELDS
     partials = torch.empty(sm_count * 2 * linear.M_PADS[-1] * linear.TILE_N, dtype=torch.float32, device=device)
-    arrivals = torch.zeros(linear.MAX_ROW_TILES, dtype=torch.int32, device=device)
+    arrivals = torch.zeros(linear.ARRIVAL_WORDS, dtype=torch.int32, device=device)
     table = sweep_linear.select_variants(parser, variants(linear), args.variant)
     rows, cta_table = [], []
     for n, k, m in args.case or CASES:

@@ -85,6 +85,8 @@ OPTION_VARIANTS = [
     linear.DEFAULT_OPTIONS._replace(ring_fill_min_m_pad=linear.M_PADS[0], steady_depth=4),
     # below m_pad 64 the filled ring's memory, its rest asked for only while the previous launch runs 3,000 cycles on
     linear.DEFAULT_OPTIONS._replace(deep_while_waiting=3000),
+    # ... or only where the previous launch's CTAs still count themselves in the workspace's LIVE_WORD
+    linear.DEFAULT_OPTIONS._replace(deep_signal=True),
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
@@ -95,7 +97,7 @@ OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-c
               f"{'-ring' * (o.own_partial_bytes != linear.OWN_PARTIAL_BYTES)}{'-nobeside' * (o.cluster_scatter and not o.partials_beside)}"
               f"{f'-xmc{o.x_multicast}' * (o.x_multicast > 1)}{'-place' * (o.x_multicast > 1 and not o.x_shared)}"
               f"{f'-steady{o.steady_depth}' * bool(o.steady_depth)}"
-              f"{f'-waiting{o.deep_while_waiting}' * bool(o.deep_while_waiting)}"
+              f"{f'-waiting{o.deep_while_waiting}' * bool(o.deep_while_waiting)}{'-signal' * o.deep_signal}"
               for o in OPTION_VARIANTS]
 
 
@@ -1071,6 +1073,55 @@ def test_deep_while_waiting_polls_before_the_wait_and_gates_after(tmp_path):
             o._replace(**clash).check()
 
 
+def test_deep_signal_counts_and_reads_the_live_word(tmp_path):
+    """KernelOptions.deep_signal: options_for keeps the filled ring below ring_fill_min_m_pad only where it is deeper
+    than the half (4096x4096 M=16: 11 stages against 6) and keeps deep_signal on every build, so that every launch
+    counts. The PTX against the same filled ring without it: a relaxed read of the workspace's LIVE_WORD at the TMA
+    warp's start, before any weight load, and three atomic adds on it (the count at the trigger_lead load and after
+    the loop, the uncount once the ring drained), no clock or barrier poll (deep_while_waiting's), one more weight
+    load site before griddepcontrol.wait (the rest of the ring, with its slot's acquire) and the half ring's gate. At
+    M=64 (filled anyway) the build only counts (two adds, no read); a stream-K build (trigger at its start) neither
+    counts nor reads. Where nvdisasm is installed, no predicated R2UR. Clashing options are refused."""
+    policy = linear.DEFAULT_OPTIONS._replace(deep_signal=True)
+    o = linear.options_for(policy, 4096, 4096, 16, *H200)
+    stages, half = linear.ring_stages(16, o), linear.ring_stages(16, o._replace(ring_fill=False))
+    assert o.ring_fill and o.deep_signal and o.run_trigger == "issue" and o.trigger_lead and (stages, half) == (11, 6)
+    assert linear.options_for(linear.DEFAULT_OPTIONS, 4096, 4096, 16, *H200) == o._replace(
+        ring_fill=False, deep_signal=False)
+    wide = linear.options_for(policy, 4096, 4096, 64, *H200)
+    stream_k = linear.options_for(policy, 57344, 8192, 16, *H200)
+    assert wide.ring_fill and wide.deep_signal and not stream_k.ring_fill and stream_k.run_trigger == ""
+
+    def ptx(options, m_pad, name):
+        dump = tmp_path / name
+        dump.mkdir()
+        text, cubin = _ptx_and_cubin(torch.bfloat16, m_pad, False, dump, options)
+        return "".join(line + "\n" for line in text.splitlines() if not line.startswith("//")), cubin
+
+    atom = re.compile(r"atom\.global\.add\.u32\s+%r\d+, \[%rd\d+\], (-?\d+);")
+    fill, _ = ptx(o._replace(deep_signal=False), 16, "fill")
+    signal, cubin = ptx(o, 16, "signal")
+    read = re.compile(rf"ld\.relaxed\.gpu\.global\.b32\s+%r\d+, \[%rd\d+\+{linear.LIVE_WORD * 4}\];")
+    assert not atom.findall(fill) and not read.findall(fill) and atom.findall(signal) == ["1", "1", "-1"]
+    assert "%clock64" not in signal and "mbarrier.test_wait" not in signal
+    first_load = TMA_LOAD_DESCRIPTOR.search(signal).start()
+    assert len(read.findall(signal)) == 1
+    assert read.search(signal).start() < first_load < signal.index("griddepcontrol.wait;", first_load)
+    assert signal.index("griddepcontrol.launch_dependents;") > atom.search(signal, first_load).start()
+    assert len(TMA_LOAD_DESCRIPTOR.findall(signal)) == len(TMA_LOAD_DESCRIPTOR.findall(fill)) + 1
+    assert signal.count(MBARRIER_WAIT) == fill.count(MBARRIER_WAIT) + 2  # that site's slot acquire, the gate
+    wide_ptx, stream_k_ptx = ptx(wide, 64, "wide")[0], ptx(stream_k, 16, "stream_k")[0]
+    assert atom.findall(wide_ptx) == ["1", "-1"] and not read.findall(wide_ptx)
+    assert not atom.findall(stream_k_ptx) and not read.findall(stream_k_ptx)
+    nvdisasm = _nvdisasm()
+    if nvdisasm is not None:
+        assert _predicated_r2ur(cubin, nvdisasm) == (5, [])
+    for clash in (dict(pre_wait_blocks=6), dict(steady_depth=6), dict(weight_before_wait=False),
+                  dict(deep_while_waiting=3000)):
+        with pytest.raises(ValueError, match="deep_signal needs weight_before_wait"):
+            o._replace(**clash).check()
+
+
 @pytest.mark.parametrize("m_pad", [32, 64])
 def test_partials_beside_build_has_no_drained_handshake(m_pad, tmp_path):
     """A partials_beside build of 3 CTAs per tile sends every piece it does not own with st.async and never arrives on
@@ -1182,19 +1233,27 @@ def test_steady_depth_matches_plain_bitwise():
 
 
 @on_gpu
-def test_deep_while_waiting_both_paths_bitwise():
-    """deep_while_waiting, launched CHAIN times back to back (with PDL each launch may start while the one before
-    still streams) as trace builds that record how many weight blocks each CTA asked for before griddepcontrol.wait:
-    with a threshold of 500 SM cycles some CTA of each chain asks for the whole ring (the previous launch still ran),
-    with 10**8 (~50 ms) every CTA asks for the half ring's blocks only (the spin ends when the wait returns); every
-    count is one of the two, and every y is bit for bit the plain build's (the shipped half ring) and matches the
-    float64 reference, poisoned with NaN before the chain: 4096x4096 and 4096x14336 at M=1, 16 and 32 (filled rings
-    of 12, 11 and 9 stages against 6, 6 and 5), bias at odd M. (The depth after the wait changes neither bits nor
-    counts: test_deep_while_waiting_polls_before_the_wait_and_gates_after checks the gate in the PTX.)"""
+@pytest.mark.parametrize("selector", ["timed", "signal"])
+def test_deep_ring_choice_both_paths_bitwise(selector):
+    """The filled ring asked for only while the previous launch still runs, launched CHAIN times as trace builds that
+    record how many weight blocks each CTA asked for before griddepcontrol.wait. "timed" (deep_while_waiting), back
+    to back (with PDL each launch may start while the one before still streams): with a threshold of 500 SM cycles
+    some CTA of each chain asks for the whole ring, with 10**8 (~50 ms) every CTA asks for the half ring's blocks
+    only (the spin ends when the wait returns). "signal" (deep_signal): back to back some CTA asks for the whole ring
+    (the previous launch's CTAs still count themselves in LIVE_WORD); in situ, a torch kernel between launches (so
+    the previous launch has ended), none does. Every count is one of the two depths, every y is bit for bit the
+    plain build's (the shipped half ring) and matches the float64 reference, poisoned with NaN before the chain, and
+    the workspace's counters, LIVE_WORD too, are zero after it: 4096x4096 and 4096x14336 at M=1, 16 and 32 (filled
+    rings of 12, 11 and 9 stages against 6, 6 and 5), bias at odd M. (The depth after the wait changes neither bits
+    nor counts: the CPU tests check the gate in the PTX.)"""
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     capacity = linear.cluster_capacity(0)
     workspace = linear._workspace(0)
     chain = 6
+    # (options, a torch kernel between launches, some CTA must ask for the whole ring)
+    cases = ([(dict(deep_while_waiting=500), False, True), (dict(deep_while_waiting=10**8), False, False)]
+             if selector == "timed" else [(dict(deep_signal=True), False, True), (dict(deep_signal=True), True, False)])
+    between = torch.zeros(1 << 20, device="cuda")
     for n, k in [(4096, 4096), (4096, 14336)]:
         for m in (1, 16, 32):
             x, weight, b = _random(m, n, k, torch.bfloat16, m % 2 == 1)
@@ -1202,12 +1261,12 @@ def test_deep_while_waiting_both_paths_bitwise():
             (reference,) = _launch_each(x, weight, b, [plain], workspace, sm_count)
             _check(reference, x, weight, b, f"plain {n}x{k} M={m}")
             weight_map = _weight_map(weight).ptr
-            for threshold in (500, 10**8):
-                o = linear.options_for(linear.DEFAULT_OPTIONS._replace(deep_while_waiting=threshold, trace=True),
-                                       n, k, m, sm_count, capacity)
+            for change, in_situ, deep in cases:
+                o = linear.options_for(linear.DEFAULT_OPTIONS._replace(trace=True, **change), n, k, m, sm_count,
+                                       capacity)
                 stages, half = linear.ring_stages(linear.m_pad(m), o), linear.ring_stages(
                     linear.m_pad(m), o._replace(ring_fill=False))
-                assert o.deep_while_waiting == threshold and stages > half, (n, k, m)
+                assert o.ring_fill and o == o._replace(**change) and stages > half, (n, k, m)
                 compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(m), b is not None, "", o)
                 num_ctas = linear.grid_size(n, k, sm_count, o)
                 blocks = -(-k // linear.TILE_K)
@@ -1215,19 +1274,21 @@ def test_deep_while_waiting_both_paths_bitwise():
                 traces = torch.zeros(chain, num_ctas, len(linear.TRACE_FIELDS), dtype=torch.int64, device="cuda")
                 outs = [torch.full((m, n), math.nan, dtype=x.dtype, device="cuda") for _ in range(chain)]
                 for out, trace in zip(outs, traces):
+                    if in_situ:
+                        between.add_(1.0)
                     compiled(x, weight, b, out, workspace.partials, workspace.arrivals, weight_map, num_ctas, trace)
                 torch.cuda.synchronize()
-                label = f"deep_while_waiting={threshold} {n}x{k} M={m}"
+                label = f"{change} {'in situ' if in_situ else 'back to back'} {n}x{k} M={m}"
                 for out in outs:
                     _check(out, x, weight, b, label)
                     assert torch.equal(out, reference), f"{label}: differs from the plain build"
                 pre = traces[..., linear.TRACE_FIELDS.index("pre_wait_loads")].cpu()
                 assert set(pre.flatten().tolist()) <= {min(d, r) for d in (half, stages) for r in runs}, label
-                if threshold == 10**8:
-                    assert int((pre > half).sum()) == 0, f"{label}: a CTA asked for the whole ring"
-                else:
+                if deep:
                     assert int((pre > half).sum()) > 0, f"{label}: no CTA of the chain asked for the whole ring"
-            assert int(workspace.arrivals.abs().sum()) == 0
+                else:
+                    assert int((pre > half).sum()) == 0, f"{label}: a CTA asked for the whole ring"
+                assert int(workspace.arrivals.abs().sum()) == 0, f"{label}: counters (or LIVE_WORD) left non-zero"
 
 
 @on_gpu
@@ -1420,7 +1481,7 @@ def test_kernel_options_chained_eager_and_graph(options):
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     partials = torch.empty(sm_count * options.ctas_per_sm * 2 * linear.M_PADS[-1] * linear.TILE_N,
                            dtype=torch.float32, device="cuda")
-    arrivals = torch.zeros(linear.MAX_ROW_TILES, dtype=torch.int32, device="cuda")
+    arrivals = torch.zeros(linear.ARRIVAL_WORDS, dtype=torch.int32, device="cuda")
 
     def check_all(label):
         torch.cuda.synchronize()

@@ -101,6 +101,10 @@ MAX_CLUSTER_K = 8  # most CTAs one row tile is split across in a cluster-split b
 # the half of the SM its ring leaves instead (KernelOptions.partials_beside, beside_small).
 OWN_PARTIAL_BYTES = 24 * 1024
 MAX_ROW_TILES = 1 << 16  # arrival counters per workspace: N up to 8,388,608 rows
+# deep_signal: after the row tiles' counters, the workspace's count of CTAs that have triggered the next launch and
+# not yet drained their ring (zero between launches, like the counters)
+LIVE_WORD = MAX_ROW_TILES
+ARRIVAL_WORDS = MAX_ROW_TILES + 1
 FIXUP_BARRIER = 1  # named barrier of the MMA threads (0 is __syncthreads)
 # Columns of the KernelOptions.trace buffer, one row per CTA. gt_*: %globaltimer (ns, one clock for the GPU);
 # clk_*: clock64 of the CTA's SM (cycles; comparable only within a row).
@@ -255,6 +259,19 @@ class KernelOptions(NamedTuple):
         3.0-7.5 us, on an H100), which this lets each CTA tell apart. Measured on an H100 (sweep runs 35-36), not
         shipped: at 2,000-8,000 cycles it kept the half ring's in-situ times and took back only part of the filled
         ring's back-to-back gain (geomean 1.120x at 2,000 against 1.116x shipped and 1.126x filled).
+    deep_signal: deep_while_waiting's filled ring, chosen by a signal from the previous launch instead of a timed
+        wait (options_for gives it the same launches; off: False). A CTA of a build whose trigger follows its weight
+        loads (run_trigger "issue") adds 1 to the workspace's LIVE_WORD as it triggers the next launch and takes
+        it off once its ring is drained, so the word counts the CTAs of launches on this workspace (this stream)
+        whose ring still streams. The TMA warp of a filled-ring build reads the word at its start: above 0, the
+        previous launch still streams (back to back) and the CTA asks for the whole ring before the wait; 0 (a
+        kernel of another kind ran between, in situ), the half ring. The word is zero between launches; the signal
+        only picks a depth, and a wrong pick (e.g. launches of one workspace on two streams at once) costs time,
+        never a result. Measured on an H100 (sweep runs 37-39, trace runs 21-23; docs/linear.md), not shipped: it
+        picked right in both modes, but the read at the start holds the first weight load back ~0.25 us and the
+        deep CTAs still missed the filled ring's time: 1.110x back to back against 1.116x shipped (1.125x filled),
+        1.051x in situ against 1.058x (sweep run 38). Read after the half ring's loads instead, it came back 2-3 us
+        late, behind them.
     pre_wait_blocks: with weight_before_wait, at most this many weight blocks go out before griddepcontrol.wait
         (0: the whole ring); the rest of the ring fills after the wait. A deep ring asks DRAM for all its stages at
         once and its first stage lands last (docs/linear.md, trace run 8); a smaller first request lands it sooner.
@@ -369,6 +386,7 @@ class KernelOptions(NamedTuple):
     ring_fill_min_m_pad: int = M_PADS[0]
     steady_depth: int = 0
     deep_while_waiting: int = 0
+    deep_signal: bool = False
     exclusive_sm: bool = False
     cluster_split: int = 0
     cluster_k: int = 0
@@ -468,6 +486,11 @@ class KernelOptions(NamedTuple):
         if self.deep_while_waiting and (not self.weight_before_wait or self.pre_wait_blocks or self.steady_depth):
             raise ValueError("KernelOptions.deep_while_waiting needs weight_before_wait (and pdl) and sets the loads "
                              "before the wait and the depth after it: pre_wait_blocks and steady_depth must be 0")
+        if self.deep_signal and (not self.weight_before_wait or self.pre_wait_blocks or self.steady_depth
+                                 or self.deep_while_waiting):
+            raise ValueError("KernelOptions.deep_signal needs weight_before_wait (and pdl) and sets the loads before "
+                             "the wait and the depth after it: pre_wait_blocks, steady_depth and deep_while_waiting "
+                             "must be 0")
         if self.own_partial_bytes < 0:
             raise ValueError(f"KernelOptions.own_partial_bytes must be >= 0, got {self.own_partial_bytes!r}")
         if self.exclusive_max_blocks < 0:
@@ -889,9 +912,9 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
     one CTA per SM takes its SMs alone (exclusive_sm); at M_PADS[-1], the
     deep ring with two wgmma in flight where each CTA streams at least options.deep_ring_blocks blocks and the
     decomposition stays the same; ring_fill only where the partials lie beside the ring and M pads to at least
-    ring_fill_min_m_pad, or below it with deep_while_waiting where the filled ring is deeper than the half (that option
-    0 everywhere else); and x_cluster from the x_multicast policy (x_cluster_for). capacity: the GPU's
-    cluster_capacity, needed when options.cluster_fit.
+    ring_fill_min_m_pad, or below it with deep_while_waiting or deep_signal where the filled ring is deeper than the
+    half (deep_while_waiting 0 everywhere else; deep_signal stays on, for the launches to count); and x_cluster from
+    the x_multicast policy (x_cluster_for). capacity: the GPU's cluster_capacity, needed when options.cluster_fit.
 
     Why not early: with the trigger at CTA start, the next launch's CTAs take the second slot of SMs this launch
     runs on, and cluster placement then piles two CTAs of one launch on many SMs (benchmarks/trace_linear.py on
@@ -909,11 +932,13 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
     if not partials_beside_ring(m_pad(M), resolved):
         resolved = resolved._replace(partials_beside=False)  # likewise
     fill = resolved.ring_fill and resolved.partials_beside
-    if not fill or m_pad(M) >= options.ring_fill_min_m_pad or ring_stages(m_pad(M), resolved) <= ring_stages(
-            m_pad(M), resolved._replace(ring_fill=False)):
+    choose = fill and m_pad(M) < options.ring_fill_min_m_pad and ring_stages(m_pad(M), resolved) > ring_stages(
+        m_pad(M), resolved._replace(ring_fill=False))  # a filled ring deeper than the half, for each CTA to choose
+    if not choose:
         resolved = resolved._replace(deep_while_waiting=0)  # the whole ring or none, or one no deeper than the half
-    if not fill or m_pad(M) < options.ring_fill_min_m_pad and not resolved.deep_while_waiting:
-        resolved = resolved._replace(ring_fill=False)  # likewise
+    if not fill or m_pad(M) < options.ring_fill_min_m_pad and not (
+            choose and (resolved.deep_while_waiting or resolved.deep_signal)):
+        resolved = resolved._replace(ring_fill=False)  # likewise (deep_signal stays: its builds all count)
     return resolved._replace(x_cluster=x_cluster_for(N, m_pad(M), resolved, capacity))
 
 
@@ -1024,9 +1049,14 @@ class WeightStreamingLinear:
                              f"shares of fewer than 8 rows (one 128B swizzle atom)")
         self.in_ring = (options.cluster_k > 1 and not self.beside
                         and partials_in_ring(m_pad_, options.cluster_k, options.own_partial_bytes))
-        # deep_while_waiting: the half ring's depth, which a CTA keeps unless the previous launch still runs
+        # deep_while_waiting, deep_signal: the half ring's depth, which a CTA keeps unless the previous launch still
+        # runs (timed: told by how long the wait lasts; else by the workspace's LIVE_WORD)
         self.half = min(stages, ring_stages(m_pad_, options._replace(ring_fill=False)))
-        self.waiting = options.deep_while_waiting > 0 and options.ring_fill and self.half < stages
+        self.timed = options.deep_while_waiting > 0 and options.ring_fill and self.half < stages
+        self.waiting = self.timed or (options.deep_signal and options.ring_fill and self.half < stages
+                                      and m_pad_ < options.ring_fill_min_m_pad)
+        # deep_signal: this build's CTAs count themselves in LIVE_WORD from their trigger until their ring is drained
+        self.signal = options.deep_signal and options.run_trigger == "issue"
         if self.in_ring and self.cluster_elems * 4 > _weight_ring_bytes(stages):
             raise ValueError(f"WeightStreamingLinear: {self.cluster_elems * 4} bytes of partials do not fit in a ring "
                              f"of {stages} stages")
@@ -1146,7 +1176,7 @@ class WeightStreamingLinear:
         # 0..x_cluster-1 arrive remotely; the pipeline works the count out from the MMA threads), and the cluster syncs
         # once here, before any CTA's multicast can reach another's barriers
         multicast = self.x_mcast > 1
-        if cutlass.const_expr(self.waiting):
+        if cutlass.const_expr(self.timed):
             if tidx == 0:  # ordered before the TMA warp's polls by the pipeline's sync below
                 cute.arch.mbarrier_init(storage.waited_barrier.data_ptr(), 1)
                 cute.arch.mbarrier_init_fence()
@@ -1220,12 +1250,12 @@ class WeightStreamingLinear:
         if warp_idx == self.options.producer_warp:
             self.load_run(
                 w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
-                trace, cta, tidx, x_rank, storage.waited_barrier.data_ptr(),
+                trace, cta, tidx, x_rank, storage.waited_barrier.data_ptr(), arrivals,
             )
         if warp_idx < self.options.producer_warp:
             if cutlass.const_expr(self.options.pdl):
                 cute.arch.griddepcontrol_wait()  # out, partials and arrivals may still be in the previous grid's use
-                if cutlass.const_expr(self.waiting):
+                if cutlass.const_expr(self.timed):
                     if tidx == 0:
                         cute.arch.mbarrier_arrive(storage.waited_barrier.data_ptr())  # the TMA warp polls it
             self.mma_run(
@@ -1242,12 +1272,21 @@ class WeightStreamingLinear:
     @cute.jit
     def load_run(
         self, w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
-        trace, cta, tidx, x_rank, waited,
+        trace, cta, tidx, x_rank, waited, arrivals,
     ):
         """Warp 4: TMA-load weight block (tile, kb) and x block kb for every iteration of this CTA's run (with
         x_shared, its share x_rank of x block kb, multicast to the cluster). waited: the barrier an MMA thread arrives
-        on once its griddepcontrol.wait has returned (deep_while_waiting builds)."""
-        start = cute.arch.clock64() if cutlass.const_expr(self.waiting) else Int64(0)
+        on once its griddepcontrol.wait has returned (deep_while_waiting builds); arrivals: the workspace's counters,
+        LIVE_WORD last (deep_signal)."""
+        start = cute.arch.clock64() if cutlass.const_expr(self.timed) else Int64(0)
+        lane0 = tidx == self.options.producer_warp * 32
+        live_word = arrivals.iterator + LIVE_WORD
+        live = Int32(0)
+        if cutlass.const_expr(self.waiting and not self.timed):
+            # read by every lane (one request) before any weight load; it holds the first load back by ~0.25 us
+            # (trace runs 21-22; an atomic in lane 0 alike). Read after the half ring's loads instead, it came back
+            # 2-3 us later, behind them, and fewer CTAs went deep back to back (trace run 23)
+            live = cute.arch.load(live_word, Int32, sem="relaxed", scope="gpu")
         # outside the elected copy branches, with the acquire fence; None: the atom's own descriptor (a kernel parameter)
         weight_map_ptr = (tma_desc_ptr(weight_map, scope=self.options.fence_scope)
                           if cutlass.const_expr(self.options.weight_descriptor == "cache") else None)
@@ -1279,8 +1318,13 @@ class WeightStreamingLinear:
                 # the previous launch still runs: the rest of the ring's weight blocks too (none if deep is 0; no
                 # poll where the run has none left)
                 rest = cutlass.min(run_end, run_begin + self.stages)
-                if first < rest:
-                    deep = self._still_waiting(waited, start)
+                if cutlass.const_expr(self.timed):
+                    if first < rest:
+                        deep = self._still_waiting(waited, start)
+                else:
+                    live = cute.arch.shuffle_sync(live, 0)  # lane 0's answer: one decision for the warp
+                    if live > 0:
+                        deep = Int32(1)
                 ring_end = first + deep * (rest - first)
                 for _ in cutlass.range(first, ring_end, unroll=1):
                     row, state, col = self._weight_load(w_atom, w_coords, w_dst, loads, state, row, col, k_blocks,
@@ -1345,11 +1389,21 @@ class WeightStreamingLinear:
                 row = row + TILE_N
             if cutlass.const_expr(after_load and self.options.trigger_lead > 0):
                 if i == trigger_at:
+                    if cutlass.const_expr(self.signal):
+                        self._count_live(live_word, lane0, 1)
                     cute.arch.griddepcontrol_launch_dependents()  # trigger_lead loads before the last
         if cutlass.const_expr(after_load):
+            if cutlass.const_expr(self.signal):
+                if cutlass.const_expr(self.options.trigger_lead > 0):
+                    if trigger_at < first:  # the loop above had no trigger_lead load: counted here instead
+                        self._count_live(live_word, lane0, 1)
+                else:
+                    self._count_live(live_word, lane0, 1)
             # every weight load of this CTA is issued (a no-op where the trigger_lead one went out: once per CTA)
             cute.arch.griddepcontrol_launch_dependents()
         loads.producer_tail(state)
+        if cutlass.const_expr(self.signal):
+            self._count_live(live_word, lane0, -1)  # the ring is drained: no longer a launch that streams
 
     @cute.jit
     def _weight_load(self, w_atom, w_coords, w_dst, loads, state, row, col, k_blocks, weight_map_ptr, w_policy, trace,
@@ -1372,6 +1426,12 @@ class WeightStreamingLinear:
         col = col + TILE_K - wrapped * (k_blocks * TILE_K)
         row = row + wrapped * TILE_N
         return row, state, col
+
+    @cute.jit
+    def _count_live(self, live_word, lane0, delta):
+        """deep_signal: lane 0 adds delta to the workspace's LIVE_WORD (relaxed: the word only picks a depth)."""
+        if lane0:
+            cute.arch.atomic_add(live_word, Int32(delta), sem="relaxed", scope="gpu")
 
     @cute.jit
     def _still_waiting(self, waited, start):
@@ -1701,7 +1761,8 @@ def compile_kernel(
     """The kernel compiled for one static configuration (sm_90a, TVM-FFI), cached for the process.
 
     Called as f(x, weight, bias, out, partials, arrivals, weight_map_address, num_ctas) with torch
-    tensors, num_ctas = grid_size(N, K, sm_count, options); it launches on the current torch stream.
+    tensors (a workspace's: arrivals int32 [ARRIVAL_WORDS], zero), num_ctas = grid_size(N, K, sm_count, options);
+    it launches on the current torch stream.
     extra_options go to cute.compile (e.g. "--keep-ptx --dump-dir=DIR" to inspect the code).
     """
     beside = partials_beside_ring(m_pad_, options)
@@ -1727,7 +1788,7 @@ def compile_kernel(
 
 class _Workspace(NamedTuple):
     partials: torch.Tensor  # fp32 [sm_count * 2 * max(M_PADS) * TILE_N]: two partial tiles per CTA
-    arrivals: torch.Tensor  # int32 [MAX_ROW_TILES]: blocks counted per row tile, zero between launches
+    arrivals: torch.Tensor  # int32 [ARRIVAL_WORDS]: blocks counted per row tile, then LIVE_WORD; zero between launches
 
 
 _workspaces: dict[tuple[int, int], _Workspace] = {}
@@ -1738,7 +1799,7 @@ def _new_workspace(device_index: int) -> _Workspace:
     device = torch.device("cuda", device_index)
     ctas = _sm_count(device_index) * DEFAULT_OPTIONS.ctas_per_sm
     partials = long_lived_empty(ctas * 2 * M_PADS[-1] * TILE_N, torch.float32, device)
-    arrivals = long_lived_empty(MAX_ROW_TILES, torch.int32, device, zero=True)
+    arrivals = long_lived_empty(ARRIVAL_WORDS, torch.int32, device, zero=True)
     return _Workspace(partials, arrivals)
 
 
