@@ -1081,7 +1081,8 @@ def test_deep_signal_counts_and_reads_the_live_word(tmp_path):
     the loop, the uncount once the ring drained), no clock or barrier poll (deep_while_waiting's), one more weight
     load site before griddepcontrol.wait (the rest of the ring, with its slot's acquire) and the half ring's gate. At
     M=64 (filled anyway) the build only counts (two adds, no read); a stream-K build (trigger at its start) neither
-    counts nor reads. Where nvdisasm is installed, no predicated R2UR. Clashing options are refused."""
+    counts nor reads, and a cluster split that triggers at its exit (8192x28672) keeps the half ring. Where
+    nvdisasm is installed, no predicated R2UR. Clashing options are refused."""
     policy = linear.DEFAULT_OPTIONS._replace(deep_signal=True)
     o = linear.options_for(policy, 4096, 4096, 16, *H200)
     stages, half = linear.ring_stages(16, o), linear.ring_stages(16, o._replace(ring_fill=False))
@@ -1091,6 +1092,8 @@ def test_deep_signal_counts_and_reads_the_live_word(tmp_path):
     wide = linear.options_for(policy, 4096, 4096, 64, *H200)
     stream_k = linear.options_for(policy, 57344, 8192, 16, *H200)
     assert wide.ring_fill and wide.deep_signal and not stream_k.ring_fill and stream_k.run_trigger == ""
+    at_exit = linear.options_for(policy, 8192, 28672, 16, *H200)  # a cluster split that triggers at its exit
+    assert at_exit.cluster_k == 2 and at_exit.run_trigger == "" and at_exit.deep_signal and not at_exit.ring_fill
 
     def ptx(options, m_pad, name):
         dump = tmp_path / name

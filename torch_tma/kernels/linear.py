@@ -263,14 +263,16 @@ class KernelOptions(NamedTuple):
         wait (options_for gives it the same launches; off: False). A CTA of a build whose trigger follows its weight
         loads (run_trigger "issue") adds 1 to the workspace's LIVE_WORD as it triggers the next launch and takes
         it off once its ring is drained, so the word counts the CTAs of launches on this workspace (this stream)
-        whose ring still streams. The TMA warp of a filled-ring build reads the word at its start: above 0, the
-        previous launch still streams (back to back) and the CTA asks for the whole ring before the wait; 0 (a
-        kernel of another kind ran between, in situ), the half ring. The word is zero between launches; the signal
-        only picks a depth, and a wrong pick (e.g. launches of one workspace on two streams at once) costs time,
+        whose ring still streams. Below ring_fill_min_m_pad, a counting build whose filled ring is deeper than the
+        half gets that ring, and its TMA warp reads the word at its start: above 0, the previous launch still
+        streams (back to back) and the CTA asks for the whole ring before the wait; 0 (a kernel of another kind ran
+        between, in situ), the half ring. Builds that do not count keep the half ring and do not read. The word is
+        zero between launches; the signal only picks a depth, and a wrong pick (launches of one workspace on two
+        streams at once, or a CTA that starts so late that others of its own launch already count) costs time,
         never a result. Measured on an H100 (sweep runs 37-39, trace runs 21-23; docs/linear.md), not shipped: it
         picked right in both modes, but the read at the start holds the first weight load back ~0.25 us and the
         deep CTAs still missed the filled ring's time: 1.110x back to back against 1.116x shipped (1.125x filled),
-        1.051x in situ against 1.058x (sweep run 38). Read after the half ring's loads instead, it came back 2-3 us
+        1.051x in situ against 1.058x (sweep run 38). Read after the half ring's loads instead, it came back 1-2.5 us
         late, behind them.
     pre_wait_blocks: with weight_before_wait, at most this many weight blocks go out before griddepcontrol.wait
         (0: the whole ring); the rest of the ring fills after the wait. A deep ring asks DRAM for all its stages at
@@ -913,8 +915,9 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
     deep ring with two wgmma in flight where each CTA streams at least options.deep_ring_blocks blocks and the
     decomposition stays the same; ring_fill only where the partials lie beside the ring and M pads to at least
     ring_fill_min_m_pad, or below it with deep_while_waiting or deep_signal where the filled ring is deeper than the
-    half (deep_while_waiting 0 everywhere else; deep_signal stays on, for the launches to count); and x_cluster from
-    the x_multicast policy (x_cluster_for). capacity: the GPU's cluster_capacity, needed when options.cluster_fit.
+    half, for deep_signal only on builds that count (run_trigger "issue"; deep_while_waiting 0 everywhere else,
+    deep_signal stays on, for the launches to count); and x_cluster from the x_multicast policy (x_cluster_for).
+    capacity: the GPU's cluster_capacity, needed when options.cluster_fit.
 
     Why not early: with the trigger at CTA start, the next launch's CTAs take the second slot of SMs this launch
     runs on, and cluster placement then piles two CTAs of one launch on many SMs (benchmarks/trace_linear.py on
@@ -936,9 +939,11 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
         m_pad(M), resolved._replace(ring_fill=False))  # a filled ring deeper than the half, for each CTA to choose
     if not choose:
         resolved = resolved._replace(deep_while_waiting=0)  # the whole ring or none, or one no deeper than the half
+    # deep_signal stays on every build (those whose trigger follows their loads count); only counting builds choose
+    signal = resolved.deep_signal and resolved.run_trigger == "issue"
     if not fill or m_pad(M) < options.ring_fill_min_m_pad and not (
-            choose and (resolved.deep_while_waiting or resolved.deep_signal)):
-        resolved = resolved._replace(ring_fill=False)  # likewise (deep_signal stays: its builds all count)
+            choose and (resolved.deep_while_waiting or signal)):
+        resolved = resolved._replace(ring_fill=False)  # likewise
     return resolved._replace(x_cluster=x_cluster_for(N, m_pad(M), resolved, capacity))
 
 
@@ -1020,8 +1025,8 @@ class WeightStreamingLinear:
     Tensors (element counts, torch order): x [M, K] row stride any multiple of 8; weight [N, K]
     contiguous (only its shape and the TMA atom come from it: the bytes are loaded through the
     descriptor at weight_map); bias [N] or None; out [M, N] unit column stride; partials fp32 with at
-    least num_ctas * 2 * m_pad * 128 elements; arrivals int32 [>= ceil(N / 128)], all zero on entry
-    and left all zero on exit.
+    least num_ctas * 2 * m_pad * 128 elements; arrivals int32 [ARRIVAL_WORDS] (ceil(N / 128) row tiles'
+    counters, LIVE_WORD last for deep_signal), all zero on entry and left all zero on exit.
     """
 
     def __init__(
@@ -1285,7 +1290,7 @@ class WeightStreamingLinear:
         if cutlass.const_expr(self.waiting and not self.timed):
             # read by every lane (one request) before any weight load; it holds the first load back by ~0.25 us
             # (trace runs 21-22; an atomic in lane 0 alike). Read after the half ring's loads instead, it came back
-            # 2-3 us later, behind them, and fewer CTAs went deep back to back (trace run 23)
+            # 1-2.5 us later, behind them, and fewer CTAs went deep back to back (trace run 23)
             live = cute.arch.load(live_word, Int32, sem="relaxed", scope="gpu")
         # outside the elected copy branches, with the acquire fence; None: the atom's own descriptor (a kernel parameter)
         weight_map_ptr = (tma_desc_ptr(weight_map, scope=self.options.fence_scope)
