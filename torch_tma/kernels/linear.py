@@ -417,6 +417,12 @@ class KernelOptions(NamedTuple):
         return self.trigger_point if self.pdl and self.load_trigger and not self.early_trigger else ""
 
     @property
+    def counts_live(self) -> bool:
+        """deep_signal on a build whose trigger follows its weight loads: its CTAs count themselves in LIVE_WORD, and
+        only such a build may choose its depth from it."""
+        return self.deep_signal and self.run_trigger == "issue"
+
+    @property
     def mma_threads(self) -> int:
         """Threads of the consumer warpgroups (wgmma, fix-up, epilogue): warps 0 .. producer_warp - 1."""
         return MMA_THREADS * self.consumer_warpgroups
@@ -939,10 +945,9 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
         m_pad(M), resolved._replace(ring_fill=False))  # a filled ring deeper than the half, for each CTA to choose
     if not choose:
         resolved = resolved._replace(deep_while_waiting=0)  # the whole ring or none, or one no deeper than the half
-    # deep_signal stays on every build (those whose trigger follows their loads count); only counting builds choose
-    signal = resolved.deep_signal and resolved.run_trigger == "issue"
+    # deep_signal stays on every build, for the launches to count; only counting builds choose
     if not fill or m_pad(M) < options.ring_fill_min_m_pad and not (
-            choose and (resolved.deep_while_waiting or signal)):
+            choose and (resolved.deep_while_waiting or resolved.counts_live)):
         resolved = resolved._replace(ring_fill=False)  # likewise
     return resolved._replace(x_cluster=x_cluster_for(N, m_pad(M), resolved, capacity))
 
@@ -1061,7 +1066,7 @@ class WeightStreamingLinear:
         self.waiting = self.timed or (options.deep_signal and options.ring_fill and self.half < stages
                                       and m_pad_ < options.ring_fill_min_m_pad)
         # deep_signal: this build's CTAs count themselves in LIVE_WORD from their trigger until their ring is drained
-        self.signal = options.deep_signal and options.run_trigger == "issue"
+        self.signal = options.counts_live
         if self.in_ring and self.cluster_elems * 4 > _weight_ring_bytes(stages):
             raise ValueError(f"WeightStreamingLinear: {self.cluster_elems * 4} bytes of partials do not fit in a ring "
                              f"of {stages} stages")
