@@ -40,7 +40,9 @@ returned (KernelOptions.steady_depth); "steady4": the shipped rings with at most
 1,000 and "waiting8k": below m_pad 64 the filled ring's shared memory, the half ring's weight blocks before the wait,
 the rest of the ring too only in CTAs whose previous launch still runs that many thousand SM cycles after the TMA warp
 starts, the half ring's depth after the wait in the others (KernelOptions.deep_while_waiting); "signal": the same
-choice made from the previous launch's CTAs that still stream (KernelOptions.deep_signal); "two-wg": two consumer
+choice made from the previous launch's CTAs that still stream (KernelOptions.deep_signal); "direct": builds of one CTA
+per row tile store y one output at a time, as before sweep run 41 (shipped since: through shared memory in coalesced
+16-byte runs, KernelOptions.staged_store); "two-wg": two consumer
 warpgroups of 64 weight rows each; "two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier
 runs also swept the weight loaded without the L2 evict-first hint, the release form of the cluster barrier's entry
 arrive, the descriptor prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters
@@ -146,6 +148,9 @@ def variants(linear):
         # ... or only where the previous launch's CTAs still count themselves in the workspace's LIVE_WORD
         # (KernelOptions.deep_signal): counted as each CTA triggers the next launch, uncounted as its ring drains
         "signal": shipped._replace(deep_signal=True),
+        # one-CTA-per-tile builds store y one 2-byte output at a time, not through shared memory in 16-byte runs
+        # (KernelOptions.staged_store, shipped since sweep run 41; "staged" named it in run 40)
+        "direct": shipped._replace(staged_store=False),
         # at most 2 CTAs per row tile: 4096x4096 on 64 SMs, so two launches in a row fit beside each other
         "half-grid": shipped._replace(cluster_max_k=2),
         "x-evict-last": shipped._replace(x_eviction="last"),  # x loads marked evict-last in L2

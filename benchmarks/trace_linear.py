@@ -24,6 +24,9 @@ and per CTA (SM clock converted with the clock rate measured from the same rows)
   stream    first stage landed -> last stage consumed
   tail      last stage consumed -> CTA end (fix-up or epilogue)
   fixup     a last arriver's final fix-up sum start -> CTA end (CTAs that did one)
+  send      last stage consumed -> its cluster split's partial pieces sent to the other CTAs (every CTA of a cluster
+            split, also one that owned all its pieces and sent none)
+  recv      pieces sent -> its own pieces received (the fix-up sum's start; CTAs that sent and summed)
 cuBLAS's time per call (CUDA events) in the same graphs is printed beside them. --cta-csv writes every CTA of every
 timed call (its SM, start, end and phases, cta_rows), for questions the medians cannot answer (which SMs stream late).
 """
@@ -83,7 +86,7 @@ def summarize(trace, fields, calls):
     wall_ns = col["gt_end"] - col["gt_start"]
     ghz = float(((col["clk_end"] - col["clk_start"]) / wall_ns)[wall_ns > 2000].median())
     per_call = {"span": [], "gap": [], "skew": [], "early": [], "sms": [], "stacked": [], "pre": []}
-    per_cta = {"issue": [], "wait": [], "ready": [], "stream": [], "tail": [], "fixup": []}
+    per_cta = {"issue": [], "wait": [], "ready": [], "stream": [], "tail": [], "fixup": [], "send": [], "recv": []}
     for i in range(SKIP_CALLS, calls):
         start, end = col["gt_start"][i], col["gt_end"][i]
         per_call["span"].append(float(end.max() - start.min()))
@@ -99,6 +102,11 @@ def summarize(trace, fields, calls):
         fixers = col["fixups"][i] > 0
         if bool(fixers.any()):
             phases["fixup"] = (col["clk_end"][i] - col["clk_fixup_start"][i])[fixers]
+        senders = col["clk_sent"][i] > 0
+        if bool(senders.any()):
+            phases["send"] = (col["clk_sent"][i] - col["clk_last_release"][i])[senders]
+        if bool((senders & fixers).any()):
+            phases["recv"] = (col["clk_fixup_start"][i] - col["clk_sent"][i])[senders & fixers]
         for name, cycles in phases.items():
             ns = cycles / ghz
             per_cta[name].append((float(ns.median()), float(ns.max())))
@@ -194,7 +202,9 @@ def main():
                       f"{row['issue_p50']:4.2f}/{row['issue_max']:4.2f} wait {row['wait_p50']:4.2f}/{row['wait_max']:4.2f} ready {row['ready_p50']:4.2f}/"
                       f"{row['ready_max']:4.2f} stream {row['stream_p50']:5.2f}/{row['stream_max']:5.2f} tail "
                       f"{row['tail_p50']:4.2f}/{row['tail_max']:4.2f} fixup {row.get('fixup_p50', 0):4.2f}/"
-                      f"{row.get('fixup_max', 0):4.2f} us [SM {row['sm_ghz']:.2f} GHz]", flush=True)
+                      f"{row.get('fixup_max', 0):4.2f} send {row.get('send_p50', 0):4.2f}/{row.get('send_max', 0):4.2f} "
+                      f"recv {row.get('recv_p50', 0):4.2f}/{row.get('recv_max', 0):4.2f} us [SM {row['sm_ghz']:.2f} GHz]",
+                      flush=True)
             check_close(out, x, weights[(calls - 1) % copies], f"trace build {name} {n}x{k} M={m} after replays")
         del weights
         torch.cuda.empty_cache()

@@ -137,6 +137,27 @@ def test_trace_cta_rows():
         (100.0, 200.0, 1000.0, 6000.0, 200.0), (100.0, 200.0, 1000.0, 7000.0, 500.0)]
 
 
+def test_trace_summary_splits_a_cluster_tail():
+    """benchmarks/trace_linear.py's per-CTA medians: the tail of a CTA that sent partial pieces splits into send (last
+    stage consumed -> pieces sent) and recv (sent -> its own pieces in, the fix-up's start); CTAs of no cluster split
+    (clk_sent 0) stay out of both."""
+    import torch
+    import trace_linear
+    from torch_tma.kernels.linear import TRACE_FIELDS
+
+    calls, ctas = trace_linear.SKIP_CALLS + 1, 2
+    trace = torch.zeros(calls, ctas, len(TRACE_FIELDS), dtype=torch.int64)
+    values = {  # SM clock at 2 GHz; CTA 0 sent and summed, CTA 1 neither
+        "gt_start": (0, 0), "gt_end": (5700, 5700), "clk_start": (0, 0), "clk_first_ready": (2000, 2000),
+        "clk_last_release": (10000, 10000), "clk_sent": (10400, 0), "clk_fixup_start": (11000, 0),
+        "fixups": (1, 0), "clk_end": (11400, 11400)}
+    for name, per_cta in values.items():
+        trace[-1, :, TRACE_FIELDS.index(name)] = torch.tensor(per_cta)
+    out = trace_linear.summarize(trace, TRACE_FIELDS, calls)
+    assert out["sm_ghz"] == 2.0
+    assert (out["send_p50"], out["recv_p50"], out["fixup_p50"], out["tail_p50"]) == (0.2, 0.3, 0.2, 0.7)
+
+
 def test_gpc_load_groups_sms_by_cluster_and_counts_ctas_per_group():
     """docs/probes/gpc_load.py: SMs that held CTAs of one cluster share a group (transitively, across calls); a CTA's
     stream time is filed under the number of CTAs of its call in its group."""

@@ -87,6 +87,8 @@ OPTION_VARIANTS = [
     linear.DEFAULT_OPTIONS._replace(deep_while_waiting=3000),
     # ... or only where the previous launch's CTAs still count themselves in the workspace's LIVE_WORD
     linear.DEFAULT_OPTIONS._replace(deep_signal=True),
+    # one-CTA-per-tile builds storing y one output at a time (shipped: through shared memory, staged_store)
+    linear.DEFAULT_OPTIONS._replace(staged_store=False),
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
@@ -98,6 +100,7 @@ OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-c
               f"{f'-xmc{o.x_multicast}' * (o.x_multicast > 1)}{'-place' * (o.x_multicast > 1 and not o.x_shared)}"
               f"{f'-steady{o.steady_depth}' * bool(o.steady_depth)}"
               f"{f'-waiting{o.deep_while_waiting}' * bool(o.deep_while_waiting)}{'-signal' * o.deep_signal}"
+              f"{'-direct' * (o == linear.DEFAULT_OPTIONS._replace(staged_store=False))}"
               for o in OPTION_VARIANTS]
 
 
@@ -729,6 +732,36 @@ def test_linear_ref_is_float64_linear():
 # ---- GPU: numerics -----------------------------------------------------------------------------------
 
 
+def _fresh_ptx(m_pad, options, dump):
+    """PTX of the bf16 no-bias build, compiled anew (compile_kernel's cache would skip the dump)."""
+    dump.mkdir()
+    linear.compile_kernel.__wrapped__(cutlass.BFloat16, m_pad, False, f"--keep-ptx --dump-dir={dump}", options)
+    (ptx,) = glob.glob(str(dump / "*.ptx"))
+    with open(ptx) as f:
+        return f.read()
+
+
+def test_staged_store_builds_store_16_byte_runs(tmp_path):
+    """A staged_store build (shipped) of one CTA per tile (10240x8192 M=64 on the deep ring, 28672x4096 M=16 two to an
+    SM, 14336x4096 M=1) stores y with 16-byte st.global.v4 from 16-byte shared loads (2-byte stores remain as the
+    fallback); without the option none; a cluster build (4096x4096 M=16) compiles to the same PTX with or without it."""
+    h200 = (132, (132, 66, 39, 30, 22, 17, 15, 15))
+    staged = linear.DEFAULT_OPTIONS
+    assert staged.staged_store
+    for n, k, m, cluster_k in [(10240, 8192, 64, 1), (28672, 4096, 16, 1), (14336, 4096, 1, 1), (4096, 4096, 16, 3)]:
+        options = linear.options_for(staged, n, k, m, *h200)
+        assert options.cluster_k == cluster_k, (n, k, m)
+        ptx, direct = (_fresh_ptx(linear.m_pad(m), o, tmp_path / f"{name}{n}-{m}") for name, o in
+                       (("staged", options), ("direct", options._replace(staged_store=False))))
+        assert "st.global.v4.b32" not in direct, (n, k, m)
+        if options.cluster_k == 1:
+            assert ptx.count("st.global.v4.b32") == ptx.count("ld.shared.v4.b32") > 0, (n, k, m)
+            assert "st.global.b16" in ptx, (n, k, m)  # the fallback, one output at a time
+        else:
+            code = ["".join(line for line in text.splitlines(True) if not line.startswith("//")) for text in (ptx, direct)]
+            assert code[0] == code[1], (n, k, m)
+
+
 def on_gpu(test):
     """Hopper only, under a hard timeout that kills the process (a hung kernel never returns to Python)."""
     return pytest.mark.requires_sm90(pytest.mark.timeout(GPU_TIMEOUT_S, method="thread")(test))
@@ -897,6 +930,43 @@ def test_cluster_scatter_matches_reduce_bitwise(cluster_k, warpgroups):
             assert torch.equal(outs[0], outs[1]), f"cluster_k={cluster_k} {n}x{k} M={m}: scatter differs from reduce"
             checked += 1
     assert checked >= 6, checked
+
+
+@on_gpu
+@pytest.mark.parametrize("ring", ["half", "deep"])
+def test_staged_store_matches_direct_bitwise(ring):
+    """staged_store moves the same converted values, so y is bit for bit the direct stores' and matches the float64
+    reference: one CTA per tile on the half-SM ring and on the deep ring (whole SM, two wgmma in flight), M around every
+    m_pad, bias at odd M; N a multiple of 8 (16-byte runs) and not (129: one output at a time), a ragged last tile
+    (1000); and y as a window of a NaN frame, its rows 16-byte aligned (N=1004: the last run cut short, one output at a
+    time) or not: nothing outside it is written. y poisoned with NaN before each launch."""
+    direct = linear.DEFAULT_OPTIONS._replace(cluster_split=1, cluster_fit=False, cluster_k=1, smem_share=2,
+                                             staged_store=False)
+    if ring == "deep":
+        direct = direct._replace(smem_share=1, wgmma_in_flight=2)
+    staged = direct._replace(staged_store=True)
+    workspace = linear._workspace(0)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    for n, k in [(4096, 4096), (1000, 1000), (129, 520)]:
+        for m in (1, 8, 9, 16, 17, 32, 33, 64):
+            x, weight, b = _random(m, n, k, torch.bfloat16, m % 2 == 1)
+            outs = _launch_each(x, weight, b, (direct, staged), workspace, sm_count)
+            _check(outs[1], x, weight, b, f"staged {ring} {n}x{k} M={m}")
+            assert torch.equal(outs[0], outs[1]), f"{ring} {n}x{k} M={m}: staged differs from direct"
+    # y inside a NaN frame: rows 16-byte aligned (a window at column 8 of rows of 1024) or not (column 3)
+    m, n, k = 33, 1004, 1000
+    x, weight, b = _random(m, n, k, torch.bfloat16, True)
+    compiled = linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), True, "", staged)
+    for col in (8, 3):
+        frame = torch.full((m + 2, n + 20), math.nan, dtype=torch.bfloat16, device="cuda")
+        out = frame[1 : m + 1, col : n + col]
+        compiled(x, weight, b, out, workspace.partials, workspace.arrivals, _weight_map(weight).ptr,
+                 linear.grid_size(n, k, sm_count, staged))
+        torch.cuda.synchronize()
+        _check(out, x, weight, b, f"staged {ring} in a frame at column {col}")
+        outside = frame.clone()
+        outside[1 : m + 1, col : n + col] = 0
+        assert int(outside.isnan().sum()) == frame.numel() - m * n, f"column {col}: wrote outside y"
 
 
 def test_own_partial_bytes_moves_partials_into_the_ring():

@@ -31,7 +31,8 @@ How (160 threads per CTA; KernelOptions.consumer_warpgroups=2, a measured altern
 - Warp 4 only issues TMA loads (W through our descriptor via tma_desc_ptr=, with an L2 evict-first policy since
   it is read once; x through the atom's own descriptor) into a ring of as many stages as half an SM's shared
   memory holds (KernelOptions.smem_share=2, chosen by measurement: see DEFAULT_OPTIONS); warps 0-3 run wgmma,
-  release each stage, and do the fix-up and epilogue, so loads keep flowing while a tile is written out. At M=64,
+  release each stage, and do the fix-up and epilogue, so loads keep flowing while a tile is written out (a CTA that
+  stores a whole tile's y stages it in its drained ring and writes 16-byte runs: KernelOptions.staged_store). At M=64,
   a launch whose CTAs each stream many blocks (KernelOptions.deep_ring_blocks) takes the whole SM's shared memory
   for the ring and keeps a second stage's wgmma in flight: those runs are limited by the consumer.
 - Programmatic dependent launch: weight blocks are loaded before griddepcontrol.wait, x and every output
@@ -106,6 +107,9 @@ MAX_ROW_TILES = 1 << 16  # arrival counters per workspace: N up to 8,388,608 row
 LIVE_WORD = MAX_ROW_TILES
 ARRIVAL_WORDS = MAX_ROW_TILES + 1
 FIXUP_BARRIER = 1  # named barrier of the MMA threads (0 is __syncthreads)
+# KernelOptions.staged_store: y of a row tile staged in shared memory as m_pad rows of the tile's 128 outputs, each row
+# padded by 16 bytes, so that the 4 x rows one warp's writes touch at once start 8 banks apart (no bank conflicts)
+STAGE_PITCH = TILE_N + 8
 # Columns of the KernelOptions.trace buffer, one row per CTA. gt_*: %globaltimer (ns, one clock for the GPU);
 # clk_*: clock64 of the CTA's SM (cycles; comparable only within a row).
 TRACE_FIELDS = (
@@ -122,6 +126,7 @@ TRACE_FIELDS = (
     # CTA with cluster_scatter where the tile's outputs are more pieces than CTAs, else CTA 0)
     "sm",  # %smid of the SM the CTA ran on
     "pre_wait_loads",  # weight blocks the TMA warp asked for before griddepcontrol.wait (deep_while_waiting)
+    "clk_sent",  # thread 0: its cluster split's partial pieces sent to the other CTAs (0: no cluster split)
 )
 
 _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
@@ -358,6 +363,16 @@ class KernelOptions(NamedTuple):
     x_eviction: the L2 eviction priority the x loads carry: "normal" (no hint) or "last": x, which every row tile's
         CTAs reread from L2 (at M=64 half as many bytes as the weight), is the last thing L2 evicts while the weight
         streams past it.
+    staged_store: a build of one CTA per row tile (cluster_k 1) writes its y through shared memory: every MMA thread
+        puts its values (bias added, converted) into a staging area at the start of its drained weight ring, laid out
+        as y's rows (STAGE_PITCH), and the threads then store whole 16-byte runs of 8 outputs, coalesced, where y's
+        rows are 16-byte aligned (else one output at a time, as without it). Without it each thread stores its values
+        one 2-byte output at a time, 8 outputs of a row per warp instruction: 1.14 us from the last wgmma to the CTA's
+        end at 10240x8192 M=64 (64 values per thread), 0.69 us with it (trace run 25, an H100); sweep runs 40-41
+        (H100): up to 1.7 % faster at M 32-64 on 28672x4096 and 10240x8192, within 0.7 % at M <= 16 (docs/linear.md).
+        Cluster builds keep the direct stores: each CTA stores 1 / cluster_k of the tile, and staging it made their
+        sum and stores longer (0.35 -> 0.42 us at 4096x4096 M=64, trace run 24). Stream-K builds (a CTA's run can go
+        on to the next tile while the ring refills) keep them too.
     late_first_cta_ns: a test build: in a cluster-split build, CTA 0 of each cluster spins this many nanoseconds
         (on %globaltimer) after its last wgmma, before it says its ring is drained or waits for the partials, so
         the other CTAs reach their waits before CTA 0 arrives (tests/test_linear_kernel.py). 0 in shipped builds.
@@ -407,6 +422,7 @@ class KernelOptions(NamedTuple):
     relaxed_cluster_arrive: bool = False
     weight_eviction: str = "normal"
     x_eviction: str = "normal"
+    staged_store: bool = False
     late_first_cta_ns: int = 0
     trace: bool = False
 
@@ -612,12 +628,16 @@ class KernelOptions(NamedTuple):
 # by 0.07 us), and lost every in-situ cell at M <= 32, so it ships for m_pad 64 (ring_fill_min_m_pad). Measured and not shipped, sweep runs 28-31 (docs/linear.md): stream-K at
 # every shape (its fix-up cost 4-5 us at 10240x8192 M=64), x multicast and cluster placement for one-CTA-per-tile
 # launches (x_multicast, x_shared), a second wgmma on the half ring and leads of 2 and 5 loads.
+# Trace runs 24-25 and sweep runs 40-41 (an H100; docs/results/trace-linear-h100-run2{4,5}.*,
+# sweep-linear-h100-run4{0,1}.*): one-CTA-per-tile builds storing y through shared memory in 16-byte runs
+# (staged_store) took 10240x8192 M=64's tail from 1.14 to 0.69 us and gained up to 1.7 % at M 32-64 on 28672x4096 and
+# 10240x8192; see staged_store. The H200 grid (docs/results/linear-h200.csv) predates it.
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                                 cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
                                 weight_eviction="first", exclusive_trigger_grid=0.75, exclusive_max_blocks=100,
                                 deep_ring_blocks=100, trigger_lead=3, trigger_lead_max_m_pad=16,
                                 cluster_scatter=True, partials_beside=True, beside_small=True, ring_fill=True,
-                                ring_fill_min_m_pad=64)
+                                ring_fill_min_m_pad=64, staged_store=True)
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -1070,6 +1090,12 @@ class WeightStreamingLinear:
         if self.in_ring and self.cluster_elems * 4 > _weight_ring_bytes(stages):
             raise ValueError(f"WeightStreamingLinear: {self.cluster_elems * 4} bytes of partials do not fit in a ring "
                              f"of {stages} stages")
+        # staged_store: the builds of one CTA per row tile, whose CTAs each store a whole tile's y (the staging area
+        # is the start of the drained ring)
+        self.staged = options.staged_store and options.cluster_k == 1
+        if self.staged and m_pad_ * STAGE_PITCH * 2 > _weight_ring_bytes(stages):
+            raise ValueError(f"WeightStreamingLinear: staged_store's {m_pad_ * STAGE_PITCH * 2} bytes do not fit in a "
+                             f"ring of {stages} stages")
 
     @cute.jit
     def __call__(
@@ -1169,6 +1195,7 @@ class WeightStreamingLinear:
                 trace[cta, 8] = Int64(0)
                 trace[cta, 9] = Int64(0)
                 trace[cta, 11] = Int64(0)
+                trace[cta, 12] = Int64(0)
                 trace[cta, 10] = Int64(cute.arch.smid())
 
         if cutlass.const_expr(self.options.descriptor_prefetch != "" and self.options.weight_descriptor == "cache"):
@@ -1268,11 +1295,13 @@ class WeightStreamingLinear:
                 if cutlass.const_expr(self.timed):
                     if tidx == 0:
                         cute.arch.mbarrier_arrive(storage.waited_barrier.data_ptr())  # the TMA warp polls it
+            # staged_store: y's staging area, the drained ring
+            stage = cute.make_tensor(storage.w_tiles.data_ptr(), cute.make_layout(self.m_pad * STAGE_PITCH))
             self.mma_run(
                 tiled_mma, w_tiles, x_tiles, loads, bias, out, partials, arrivals,
                 storage.fixup_count.get_tensor(cute.make_layout(1)), cluster_partials,
                 storage.cluster_barrier.data_ptr(), storage.drained_barrier.data_ptr(),
-                cta, num_ctas, tidx, run_begin, run_end, k_blocks, total, trace,
+                cta, num_ctas, tidx, run_begin, run_end, k_blocks, total, trace, stage,
             )
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
@@ -1477,7 +1506,7 @@ class WeightStreamingLinear:
     @cute.jit
     def mma_run(
         self, tiled_mma, w_tiles, x_tiles, loads, bias, out, partials, arrivals, fixup_count, cluster_partials,
-        cluster_barrier, drained_barrier, cta, num_ctas, tidx, run_begin, run_end, k_blocks, total, trace,
+        cluster_barrier, drained_barrier, cta, num_ctas, tidx, run_begin, run_end, k_blocks, total, trace, stage,
     ):
         """Warps 0-3: accumulate each segment (the part of the run inside one row tile), then finish it."""
         thr_mma = tiled_mma.get_slice(tidx)
@@ -1541,7 +1570,10 @@ class WeightStreamingLinear:
                     tidx, trace, cta,
                 )
             elif it == tile_begin and seg_end == tile_begin + k_blocks:
-                self.store_tile(acc, acc_coords, tile, bias, out)
+                if cutlass.const_expr(self.staged):
+                    self.store_staged(acc, acc_coords, tile, bias, out, stage, tidx)
+                else:
+                    self.store_tile(acc, acc_coords, tile, bias, out)
             else:
                 self.finish_partial(
                     acc, tile_sum, acc_coords, tile, seg_end - it, it == run_begin, bias, out, partials,
@@ -1644,6 +1676,9 @@ class WeightStreamingLinear:
                     (bits[4 * q], bits[4 * q + 1], bits[4 * q + 2], bits[4 * q + 3]),
                     cluster_barrier, 0,
                 )
+            if cutlass.const_expr(self.options.trace):
+                if tidx == 0:
+                    trace[cta, 12] = cute.arch.clock64()
         else:
             cute.arch.mbarrier_wait(cluster_barrier, 0)
             if cutlass.const_expr(self.options.trace):
@@ -1697,6 +1732,9 @@ class WeightStreamingLinear:
                     (bits[4 * q], bits[4 * q + 1], bits[4 * q + 2], bits[4 * q + 3]),
                     cluster_barrier, r,
                 )
+        if cutlass.const_expr(self.options.trace):
+            if tidx == 0:
+                trace[cta, 12] = cute.arch.clock64()
         for r in cutlass.range_constexpr(cluster_k):
             if cutlass.const_expr(first[r] < first[r + 1]):
                 if rank == r:
@@ -1743,6 +1781,42 @@ class WeightStreamingLinear:
                     y = y + bias[n].to(Float32)
                 out[m, n] = y.to(self.dtype)
 
+    @cute.jit
+    def store_staged(self, values, acc_coords, tile, bias, out, stage, tidx):
+        """store_tile through shared memory (KernelOptions.staged_store): each MMA thread writes its values (bias added,
+        converted) into `stage` as y's rows of the tile (x row m at m * STAGE_PITCH), then the MMA threads store the
+        tile's m_pad x 16 runs of 8 outputs, 16 bytes each, consecutive threads along a row. Runs past M or N are left
+        out; where y's rows are not 16-byte aligned, or at N's ragged end, a run is stored one output at a time."""
+        M, N = out.shape
+        # the ring's last bytes were written by TMA and read by wgmma (the async proxy): those come first
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=FIXUP_BARRIER, number_of_threads=self.mma_threads)
+        for v in cutlass.range(cute.size(values), unroll_full=True):
+            row, m = acc_coords[v]
+            y = values[v]
+            if cutlass.const_expr(self.has_bias):
+                y = y + bias[cutlass.min(tile * TILE_N + row, N - 1)].to(Float32)  # past N: a value not stored
+            stage[m * STAGE_PITCH + row] = y.to(self.dtype)
+        cute.arch.barrier(barrier_id=FIXUP_BARRIER, number_of_threads=self.mma_threads)
+        row_stride = out.layout.stride[0]
+        aligned = row_stride % 8 == 0 and out.iterator.toint() % 16 == 0
+        runs_per_row = TILE_N // 8
+        for first_run in cutlass.range_constexpr(0, self.m_pad * runs_per_row, self.mma_threads):
+            m = (first_run + tidx) // runs_per_row
+            col = (first_run + tidx) % runs_per_row * 8  # the run's first weight row in the tile
+            n = tile * TILE_N + col
+            if m < M and n < N:
+                src = cute.make_tensor(stage.iterator + cute.assume(m * STAGE_PITCH + col, divby=8), cute.make_layout(8))
+                if aligned and n + 8 <= N:
+                    run_values = cute.make_rmem_tensor((8,), self.dtype)
+                    cute.autovec_copy(src, run_values)
+                    dst = cute.make_ptr(self.dtype, (out.iterator + (m * row_stride + n)).toint(), cute.AddressSpace.gmem,
+                                        assumed_align=16)
+                    cute.autovec_copy(run_values, cute.make_tensor(dst, cute.make_layout(8)))
+                else:
+                    for e in cutlass.range_constexpr(8):
+                        if n + e < N:
+                            out[m, n + e] = src[e]
 
 def _fake_problem(dtype: type[cutlass.Numeric], has_bias: bool):
     """Fake tensors with symbolic sizes for compiling once per static configuration.
