@@ -113,7 +113,10 @@ DRAINED_ARRIVE = re.compile(r"mbarrier\.arrive\.release\.cluster\.shared::cluste
 
 
 def _ptx_and_cubin(dtype, m_pad, has_bias, tmp_path, options=linear.DEFAULT_OPTIONS):
-    linear.compile_kernel(
+    """PTX text and cubin path of one build, compiled anew into tmp_path (compile_kernel's cache would return a build
+    an earlier test compiled without dumping it)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    linear.compile_kernel.__wrapped__(
         DSL_DTYPES[dtype], m_pad, has_bias, f"--keep-ptx --keep-cubin --dump-dir={tmp_path}", options
     )
     (ptx,) = glob.glob(str(tmp_path / "*.ptx"))
@@ -732,15 +735,6 @@ def test_linear_ref_is_float64_linear():
 # ---- GPU: numerics -----------------------------------------------------------------------------------
 
 
-def _fresh_ptx(m_pad, options, dump):
-    """PTX of the bf16 no-bias build, compiled anew (compile_kernel's cache would skip the dump)."""
-    dump.mkdir()
-    linear.compile_kernel.__wrapped__(cutlass.BFloat16, m_pad, False, f"--keep-ptx --dump-dir={dump}", options)
-    (ptx,) = glob.glob(str(dump / "*.ptx"))
-    with open(ptx) as f:
-        return f.read()
-
-
 def test_staged_store_builds_store_16_byte_runs(tmp_path):
     """A staged_store build (shipped) of one CTA per tile (10240x8192 M=64 on the deep ring, 28672x4096 M=16 two to an
     SM, 14336x4096 M=1) stores y with 16-byte st.global.v4 from 16-byte shared loads (2-byte stores remain as the
@@ -751,8 +745,8 @@ def test_staged_store_builds_store_16_byte_runs(tmp_path):
     for n, k, m, cluster_k in [(10240, 8192, 64, 1), (28672, 4096, 16, 1), (14336, 4096, 1, 1), (4096, 4096, 16, 3)]:
         options = linear.options_for(staged, n, k, m, *h200)
         assert options.cluster_k == cluster_k, (n, k, m)
-        ptx, direct = (_fresh_ptx(linear.m_pad(m), o, tmp_path / f"{name}{n}-{m}") for name, o in
-                       (("staged", options), ("direct", options._replace(staged_store=False))))
+        ptx, direct = (_ptx_and_cubin(torch.bfloat16, linear.m_pad(m), False, tmp_path / f"{name}{n}-{m}", o)[0]
+                       for name, o in (("staged", options), ("direct", options._replace(staged_store=False))))
         assert "st.global.v4.b32" not in direct, (n, k, m)
         if options.cluster_k == 1:
             assert ptx.count("st.global.v4.b32") == ptx.count("ld.shared.v4.b32") > 0, (n, k, m)
