@@ -220,9 +220,9 @@ def run(shapes, ms, sweep_ms, csv_path):
                      "pct_floor": "" if floor_us is None else f"{100 * floor_us / p50:.1f}",
                      **(state or dict.fromkeys(gpu_clocks.FIELDS, ""))})
 
-    default = linear.DEFAULT_L2_PROMOTION
     for name in shapes:
         n, k = SHAPES[name]
+        default = linear.default_l2_promotion(torch.cuda.current_device(), n, k, DTYPE)  # what the op takes
         shape = Shape(name, n, k, linear, cache)
         for m in ms:
             x = torch.randn(m, k, dtype=DTYPE, device=device)
@@ -262,6 +262,7 @@ def run(shapes, ms, sweep_ms, csv_path):
         torch.cuda.empty_cache()
 
     n, k = SHAPES["llama8b.gate_up"]
+    default = linear.default_l2_promotion(torch.cuda.current_device(), n, k, DTYPE)
     weight = (torch.randn(n, k, device=device) / math.sqrt(k)).to(DTYPE)
     x = torch.randn(1, k, dtype=DTYPE, device=device)
     # host time per eager call, the GPU kept busy (profile_host.host_us: median and min over rounds), inference mode

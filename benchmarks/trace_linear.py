@@ -165,7 +165,8 @@ def main():
         copies = max(2, -(-ROTATION_BYTES // (n * k * 2)))
         weights = [(torch.randn(n, k, device=device) / math.sqrt(k)).to(DTYPE) for _ in range(copies)]
         box, swizzle = linear.weight_box(n, k, DTYPE), linear.weight_swizzle(DTYPE)
-        maps = [cache.get(w, box, swizzle=swizzle, l2_promotion=linear.DEFAULT_L2_PROMOTION).ptr for w in weights]
+        promotion = linear.default_l2_promotion(torch.cuda.current_device(), n, k, DTYPE)  # the op's
+        maps = [cache.get(w, box, swizzle=swizzle, l2_promotion=promotion).ptr for w in weights]
         calls = copies * max(1, CALLS_PER_GRAPH // copies)
         x = torch.randn(m, k, dtype=DTYPE, device=device)
         out = torch.empty(m, n, dtype=DTYPE, device=device)

@@ -519,6 +519,24 @@ def test_crossover_by_weight_size_and_launch():
         assert linear.crossover_m(4096, 14336, dtype, 264, (264, 132, 78, 60, 44, 34, 30, 30)) == 32  # 96 CTAs of 264
 
 
+def test_default_l2_promotion_by_gpu_model_and_weight_size(monkeypatch):
+    """A call that names no promotion: 256B on an H100 80GB HBM3 for weights of 100 MB and more (its grids' sweeps),
+    128B below that, on the H200 and on models no grid measured."""
+    P, h100 = torch_tma.L2Promotion, "NVIDIA H100 80GB HBM3"
+    assert linear.l2_promotion_for(h100, 4096 * 14336 * 2) == P.L2_256B  # 117 MB
+    assert linear.l2_promotion_for(h100, 100_000_000) == P.L2_256B
+    assert linear.l2_promotion_for(h100, 99_999_999) == P.L2_128B
+    assert linear.l2_promotion_for(h100, 6144 * 4096 * 2) == P.L2_128B  # 50 MB
+    assert linear.l2_promotion_for("NVIDIA H200", 57344 * 8192 * 2) == P.L2_128B
+    assert linear.l2_promotion_for("NVIDIA H100 PCIe", 10**9) == P.L2_128B  # no grid on it
+    names = {0: "NVIDIA H200", 1: h100}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: names[index])
+    for dtype in (torch.bfloat16, torch.float16):
+        assert linear.default_l2_promotion(1, 4096, 14336, dtype) == P.L2_256B
+        assert linear.default_l2_promotion(1, 4096, 4096, dtype) == P.L2_128B
+        assert linear.default_l2_promotion(0, 4096, 14336, dtype) == P.L2_128B
+
+
 def test_load_trigger_policy():
     """options_for turns load_trigger on for cluster-split launches of at most load_trigger_grid of the SMs, never for
     stream-K (which triggers at start). The shipped options leave it to exclusive_trigger_grid (the next test)."""

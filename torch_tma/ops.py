@@ -4,7 +4,8 @@
 
 x is [..., K] with any leading dims, weight [N, K], bias [N] or None; bf16 or fp16 in, fp32 accumulate,
 output [..., N] in x's dtype. l2_promotion is a torch_tma.L2Promotion value for the weight descriptor;
-None takes the kernel's default (kernels.linear.DEFAULT_L2_PROMOTION, set from its sweeps).
+None takes the kernel's measured default for the GPU model and weight size (kernels.linear.default_l2_promotion:
+128B, 256B on an H100 80GB HBM3 for weights of 100 MB and more; set from the promotion sweeps).
 
 Registered once through torch.library: a CUDA kernel (the CuTe DSL weight-streaming kernel on Hopper,
 F.linear elsewhere), a CPU kernel (F.linear), a fake kernel for torch.compile, and autograd. The CUDA and Autograd
@@ -128,12 +129,13 @@ class _Plan(NamedTuple):
 def _plan(device_index: int, dtype: torch.dtype, n: int, k: int, l2_promotion: int | None) -> _Plan:
     # Keyed on the device index, not a torch.device: tensor.get_device() builds no object per call.
     kernels = _kernels()
-    promotion = kernels.DEFAULT_L2_PROMOTION if l2_promotion is None else l2_promotion
+    if l2_promotion is None:
+        l2_promotion = kernels.default_l2_promotion(device_index, n, k, dtype)
     return _Plan(
         default_cache(torch.device("cuda", device_index)),
         kernels.weight_box(n, k, dtype),
         kernels.weight_swizzle(dtype),
-        L2Promotion(promotion),
+        L2Promotion(l2_promotion),
         kernels.linear_out,
     )
 

@@ -71,6 +71,9 @@ from ..spec import L2Promotion, Swizzle
 __all__ = [
     "CROSSOVER_M",
     "DEFAULT_L2_PROMOTION",
+    "MEASURED_L2_PROMOTION",
+    "default_l2_promotion",
+    "l2_promotion_for",
     "linear_out",
     "linear_ref",
     "unsupported_reason",
@@ -132,9 +135,30 @@ TRACE_FIELDS = (
 _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 _CLUSTER_SCOPE = nvvm.MemScopeKind.CLUSTER  # a remote mbarrier arrive that releases at cluster scope
 
-# Weight descriptor L2 promotion. Start value; benchmarks/bench_linear.py sweeps NONE/64B/128B/256B per
-# shape class on the H200 and this follows the measurement.
+# Weight descriptor L2 promotion where a call names none. benchmarks/bench_linear.py sweeps NONE/64B/128B/256B
+# (timed in turns) at M in {1, 16, 64} on 7 shapes; this follows the measurement. On the H200, 256B was never faster
+# than 128B (up to 6.4 % slower in the latest grid, docs/results/linear-h200.log), and NONE and 64B were within
+# 0.7 %: 128B. GPU models whose grids found otherwise are in MEASURED_L2_PROMOTION.
 DEFAULT_L2_PROMOTION = L2Promotion.L2_128B
+
+# GPU model (torch.cuda.get_device_name) -> (weight bytes from which, promotion): where that model's grids found
+# another promotion faster on weights of that size. NVIDIA H100 80GB HBM3: against 128B, 256B was faster in all 30
+# cells on weights of 100 MB and more in two grids (docs/results/linear-h100-stop31.log, linear-h100-stop33-128b.log;
+# by 0.05-2.5 %), and from 2.1 % slower to 1.0 % faster on 4096x4096 and 6144x4096 (34 and 50 MB).
+MEASURED_L2_PROMOTION = {"NVIDIA H100 80GB HBM3": (100_000_000, L2Promotion.L2_256B)}
+
+
+def l2_promotion_for(device_name: str, weight_bytes: int) -> L2Promotion:
+    """The weight descriptor's promotion for a call that names none: MEASURED_L2_PROMOTION where the GPU model is
+    listed and the weight is large enough, else DEFAULT_L2_PROMOTION."""
+    from_bytes, promotion = MEASURED_L2_PROMOTION.get(device_name, (0, DEFAULT_L2_PROMOTION))
+    return promotion if weight_bytes >= from_bytes else DEFAULT_L2_PROMOTION
+
+
+def default_l2_promotion(device_index: int, N: int, K: int, dtype: torch.dtype) -> L2Promotion:
+    """l2_promotion_for() of this device's model and an [N, K] weight of dtype."""
+    return l2_promotion_for(torch.cuda.get_device_name(device_index), N * K * dtype.itemsize)
+
 
 # Largest M at which this kernel is used, per weight-size class: (upper bound of N*K*element bytes,
 # max M); above it the op falls back to cuBLAS. From benchmarks/sweep_linear.py on the H200, kernel vs cuBLAS, back
