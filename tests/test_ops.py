@@ -164,15 +164,18 @@ def test_l2_promotion_reaches_the_descriptor(promotion):
 @pytest.mark.timeout(CUDA_TIMEOUT_S)
 def test_default_promotion_follows_the_gpu_model_and_weight_size():
     """l2_promotion=None: 256B for a weight of 100 MB on an H100 80GB HBM3, 128B for a small one and on other GPUs
-    (kernels.linear.MEASURED_L2_PROMOTION), read back from the descriptor the op looked up."""
+    (kernels.linear.MEASURED_L2_PROMOTION), read back from the descriptor the op's first call (Python) and second
+    (native) looked up."""
     cache = torch_tma.default_cache(torch.device("cuda"))
     h100 = torch.cuda.get_device_name() == "NVIDIA H100 80GB HBM3"
     for n, k, big in ((512, 512, False), (8192, 6144, True)):  # 0.5 MB; 100.7 MB
         x, weight, b = random_linear((4,), n, k, torch.bfloat16, "cuda")
-        assert_matches_reference(torch.ops.tma.linear(x, weight, b), *reference(x, weight, b))
+        assert_matches_reference(torch.ops.tma.linear(x, weight, b), *reference(x, weight, b))  # plans in Python
+        misses = cache.stats()["misses"]
+        x = torch.randn_like(x)
+        assert_matches_reference(torch.ops.tma.linear(x, weight, b), *reference(x, weight, b))  # the native path
         expected = torch_tma.L2Promotion.L2_256B if h100 and big else torch_tma.L2Promotion.L2_128B
         box, swizzle, _ = _weight_map_args(weight, expected)
-        misses = cache.stats()["misses"]
         decoded = torch_tma.decode(cache.get(weight, box, swizzle=swizzle, l2_promotion=expected).raw)
         assert cache.stats()["misses"] == misses, f"{n}x{k}: the op's descriptor is not {expected.name}"
         assert (decoded.l2_promotion, decoded.address) == (expected, weight.data_ptr())
