@@ -142,9 +142,10 @@ _CLUSTER_SCOPE = nvvm.MemScopeKind.CLUSTER  # a remote mbarrier arrive that rele
 DEFAULT_L2_PROMOTION = L2Promotion.L2_128B
 
 # GPU model (torch.cuda.get_device_name) -> (weight bytes from which, promotion): where that model's grids found
-# another promotion faster on weights of that size. NVIDIA H100 80GB HBM3: against 128B, 256B was faster in all 30
-# cells on weights of 100 MB and more in two grids (docs/results/linear-h100-stop31.log, linear-h100-stop33-128b.log;
-# by 0.05-2.5 %), and from 2.1 % slower to 1.0 % faster on 4096x4096 and 6144x4096 (34 and 50 MB).
+# another promotion faster on weights of that size. NVIDIA H100 80GB HBM3: against 128B, 256B was faster in all 45
+# cells on weights of 100 MB and more in three grids (docs/results/linear-h100-stop31.log, linear-h100-stop33-128b.log,
+# linear-h100-stop33.log; by 0.05-3.6 %); on 4096x4096 and 6144x4096 (34 and 50 MB) it went either way (2.1 % slower
+# to 2.8 % faster; faster in 4, 1 and 5 of the 6 cells).
 MEASURED_L2_PROMOTION = {"NVIDIA H100 80GB HBM3": (100_000_000, L2Promotion.L2_256B)}
 
 
