@@ -159,14 +159,19 @@ def check_close(out, x, weight, label):
 
 
 class Shape:
-    """Weight copies of one shape, their descriptors per L2 promotion, and the calls to time."""
+    """Weight copies of one shape, their descriptors per L2 promotion, and the calls to time.
 
-    def __init__(self, name, n, k, linear, cache):
-        self.name, self.n, self.k, self.linear, self.cache = name, n, k, linear, cache
+    ``calls`` is ``calls_per_graph`` rounded down to whole turns over the copies (at least one turn); ``promotion`` is
+    the one ``torch.ops.tma.linear`` takes for this shape on this GPU (``default_l2_promotion``)."""
+
+    def __init__(self, n, k, linear, cache, calls_per_graph=CALLS_PER_GRAPH):
+        self.n, self.k, self.linear, self.cache = n, k, linear, cache
         weight_bytes = n * k * 2
         copies = max(2, -(-ROTATION_BYTES // weight_bytes))
         self.weights = [(torch.randn(n, k, device="cuda") / math.sqrt(k)).to(DTYPE) for _ in range(copies)]
-        self.calls = copies * max(1, CALLS_PER_GRAPH // copies)
+        self.calls = copies * max(1, calls_per_graph // copies)
+        self.promotion = linear.default_l2_promotion(torch.cuda.current_device(), n, k, DTYPE)
+        self.last_weight = self.weights[(self.calls - 1) % copies]  # the one the graph's last call reads
         self._maps = {}
 
     def maps(self, promotion):
@@ -176,6 +181,14 @@ class Shape:
             self._maps[promotion] = [self.cache.get(w, box, swizzle=swizzle, l2_promotion=promotion).ptr
                                      for w in self.weights]
         return self._maps[promotion]
+
+    def launches(self, compiled, x, out, partials, arrivals, num_ctas, traces=None):
+        """A compiled build (``linear.compile_kernel``) launched on each weight copy with the op's promotion; with
+        ``traces``, call i also gets ``traces[i]`` (a trace build's buffer)."""
+        maps = self.maps(self.promotion)
+        return [functools.partial(compiled, x, self.weights[i % len(maps)], None, out, partials, arrivals,
+                                  maps[i % len(maps)], num_ctas, *(() if traces is None else (traces[i],)))
+                for i in range(self.calls)]
 
     def ours(self, x, out, promotion):
         maps = self.maps(promotion)
@@ -222,8 +235,8 @@ def run(shapes, ms, sweep_ms, csv_path):
 
     for name in shapes:
         n, k = SHAPES[name]
-        default = linear.default_l2_promotion(torch.cuda.current_device(), n, k, DTYPE)  # what the op takes
-        shape = Shape(name, n, k, linear, cache)
+        shape = Shape(n, k, linear, cache)
+        default = shape.promotion  # what the op takes
         for m in ms:
             x = torch.randn(m, k, dtype=DTYPE, device=device)
             out = torch.full((m, n), math.nan, dtype=DTYPE, device=device)

@@ -69,17 +69,15 @@ and not timed; the script then exits with status 1 after printing everything.
 
 import argparse
 import csv
-import functools
 import math
 import os
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us, in_situ_time_us  # noqa: E402
+from bench_linear import DTYPE, Shape, check_close, graph_time_us, in_situ_time_us  # noqa: E402
 
 # (N, K): Llama-3-8B's layers as the decode benchmark runs them (k/v 1024x4096, q/o, gate/up 14336x4096, down),
 # the fused qkv and gate_up of bench_linear, and two Llama-3-70B ones
@@ -248,12 +246,7 @@ def main():
     in_situ = {}  # the same keys, IN_SITU variants and cuBLAS only: us per call after a small kernel
     failed = []
     for n, k in shapes:
-        copies = max(2, -(-ROTATION_BYTES // (n * k * 2)))
-        weights = [(torch.randn(n, k, device=device) / math.sqrt(k)).to(DTYPE) for _ in range(copies)]
-        box, swizzle = linear.weight_box(n, k, DTYPE), linear.weight_swizzle(DTYPE)
-        promotion = linear.default_l2_promotion(torch.cuda.current_device(), n, k, DTYPE)  # the op's
-        maps = [cache.get(w, box, swizzle=swizzle, l2_promotion=promotion).ptr for w in weights]
-        calls_per_graph = copies * max(1, CALLS_PER_GRAPH // copies)
+        shape = Shape(n, k, linear, cache, CALLS_PER_GRAPH)
         for m in ms:
             x = torch.randn(m, k, dtype=DTYPE, device=device)
             out = torch.empty(m, n, dtype=DTYPE, device=device)
@@ -270,13 +263,12 @@ def main():
                 compiled = linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), False, "", o)
                 partials, arrivals = workspaces[name]
                 num_ctas = linear.grid_size(n, k, sm_count, o)
-                calls = [functools.partial(compiled, x, weights[i % copies], None, out, partials, arrivals,
-                                           maps[i % copies], num_ctas) for i in range(calls_per_graph)]
+                calls = shape.launches(compiled, x, out, partials, arrivals, num_ctas)
                 out.fill_(math.nan)
                 calls[0]()
                 torch.cuda.synchronize()
                 try:
-                    check_close(out, x, weights[0], f"{name} {n}x{k} M={m}")
+                    check_close(out, x, shape.weights[0], f"{name} {n}x{k} M={m}")
                     if int(arrivals.abs().sum()):
                         raise AssertionError(f"{name} {n}x{k} M={m}: split-K arrival counters not reset")
                 except AssertionError as e:
@@ -286,11 +278,10 @@ def main():
                     continue
                 timed((name, n, k, m), calls)
                 # the graph's last replay must also be right (PDL overlaps consecutive launches there)
-                check_close(out, x, weights[(calls_per_graph - 1) % copies], f"{name} {n}x{k} M={m} after replays")
-            timed(("cublas", n, k, m), [functools.partial(F.linear, x, weights[i % copies])
-                                        for i in range(calls_per_graph)])
+                check_close(out, x, shape.last_weight, f"{name} {n}x{k} M={m} after replays")
+            timed(("cublas", n, k, m), shape.cublas(x))
             print(f"{n}x{k} M={m} done [{time.perf_counter() - started:.0f} s]", flush=True)
-        del weights
+        del shape
         torch.cuda.empty_cache()
 
     cells = [(n, k, m) for n, k in shapes for m in ms]

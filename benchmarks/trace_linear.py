@@ -40,10 +40,9 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_linear import DTYPE, ROTATION_BYTES, check_close, graph_time_us  # noqa: E402
+from bench_linear import DTYPE, Shape, check_close, graph_time_us  # noqa: E402
 import sweep_linear  # noqa: E402
 
 CASES = [(4096, 4096, 1), (4096, 4096, 16), (6144, 4096, 1), (4096, 14336, 1), (10240, 8192, 1), (28672, 4096, 1)]
@@ -162,17 +161,13 @@ def main():
     table = sweep_linear.select_variants(parser, variants(linear), args.variant)
     rows, cta_table = [], []
     for n, k, m in args.case or CASES:
-        copies = max(2, -(-ROTATION_BYTES // (n * k * 2)))
-        weights = [(torch.randn(n, k, device=device) / math.sqrt(k)).to(DTYPE) for _ in range(copies)]
-        box, swizzle = linear.weight_box(n, k, DTYPE), linear.weight_swizzle(DTYPE)
-        promotion = linear.default_l2_promotion(torch.cuda.current_device(), n, k, DTYPE)  # the op's
-        maps = [cache.get(w, box, swizzle=swizzle, l2_promotion=promotion).ptr for w in weights]
-        calls = copies * max(1, CALLS_PER_GRAPH // copies)
+        shape = Shape(n, k, linear, cache, CALLS_PER_GRAPH)
+        calls = shape.calls
         x = torch.randn(m, k, dtype=DTYPE, device=device)
         out = torch.empty(m, n, dtype=DTYPE, device=device)
         feed = functools.partial(torch.Tensor.mul_, x, 1.0)
         feed_us = graph_time_us([feed] * calls, stream)[1]
-        cublas = [functools.partial(F.linear, x, weights[i % copies]) for i in range(calls)]
+        cublas = shape.cublas(x)
         cublas_us = {"back to back": graph_time_us(cublas, stream)[1],
                      "in situ": graph_time_us([c for f in cublas for c in (feed, f)], stream)[1] * 2 - feed_us}
         for name, o in table.items():
@@ -180,12 +175,11 @@ def main():
             compiled = linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), False, "", o)
             num_ctas = linear.grid_size(n, k, sm_count, o)
             trace = torch.zeros(calls, num_ctas, len(fields), dtype=torch.int64, device=device)
-            ours = [functools.partial(compiled, x, weights[i % copies], None, out, partials, arrivals,
-                                      maps[i % copies], num_ctas, trace[i]) for i in range(calls)]
+            ours = shape.launches(compiled, x, out, partials, arrivals, num_ctas, trace)
             out.fill_(math.nan)
             ours[0]()
             torch.cuda.synchronize()
-            check_close(out, x, weights[0], f"trace build {name} {n}x{k} M={m}")
+            check_close(out, x, shape.weights[0], f"trace build {name} {n}x{k} M={m}")
             for mode, graph_calls in (("back to back", ours), ("in situ", [c for f in ours for c in (feed, f)])):
                 us = graph_time_us(graph_calls, stream)[1] * (2 if mode == "in situ" else 1)
                 if mode == "in situ":
@@ -206,8 +200,8 @@ def main():
                       f"{row.get('fixup_max', 0):4.2f} send {row.get('send_p50', 0):4.2f}/{row.get('send_max', 0):4.2f} "
                       f"recv {row.get('recv_p50', 0):4.2f}/{row.get('recv_max', 0):4.2f} us [SM {row['sm_ghz']:.2f} GHz]",
                       flush=True)
-            check_close(out, x, weights[(calls - 1) % copies], f"trace build {name} {n}x{k} M={m} after replays")
-        del weights
+            check_close(out, x, shape.last_weight, f"trace build {name} {n}x{k} M={m} after replays")
+        del shape
         torch.cuda.empty_cache()
     for path, table_rows in ((args.csv, rows), (args.cta_csv, cta_table)):
         if path:
