@@ -152,6 +152,7 @@ def variants(linear):
         # at most 2 CTAs per row tile: 4096x4096 on 64 SMs, so two launches in a row fit beside each other
         "half-grid": shipped._replace(cluster_max_k=2),
         "x-evict-last": shipped._replace(x_eviction="last"),  # x loads marked evict-last in L2
+        "evict-normal": shipped._replace(weight_eviction="normal"),  # weight loads without the evict-first hint
         "full-ring": shipped._replace(smem_share=1),  # the whole SM's shared memory for the ring
         # ... and a second stage's wgmma in flight, which the half-SM ring could not afford (run 5)
         "full-ring-wgmma2": shipped._replace(smem_share=1, wgmma_in_flight=2),

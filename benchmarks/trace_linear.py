@@ -61,8 +61,7 @@ def variants(linear):
                   "param-desc": shipped._replace(weight_descriptor="param"),
                   "no-prefetch": shipped._replace(descriptor_prefetch=""),
                   "prefetch-acquired": shipped._replace(descriptor_prefetch="entry-acquired"),
-                  "release-arrive": shipped._replace(relaxed_cluster_arrive=False),
-                  "evict-normal": shipped._replace(weight_eviction="normal")})
+                  "release-arrive": shipped._replace(relaxed_cluster_arrive=False)})
     return table
 
 
