@@ -1,7 +1,7 @@
 """Launches to profile one at a time under Nsight Compute: torch_tma's linear kernel and cuBLAS.
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" --csv --metrics gpu__time_duration.sum,\
-dram__bytes_read.sum,lts__t_sectors_op_read.sum,lts__t_sector_op_read_hit_rate.pct \
+dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_read.sum,lts__t_sector_op_read_hit_rate.pct \
 python benchmarks/ncu_linear.py [--variant shipped --variant evict-normal] [--shapes 14336x4096] [--ms 1 16 64]
     python benchmarks/ncu_linear.py --summarize ncu.csv   # one line per label and kernel (ncu --log-file ncu.csv)
 
