@@ -3,7 +3,7 @@
     ncu --clock-control none --nvtx --nvtx-include "profile/" --csv --metrics gpu__time_duration.sum,\
 dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_read.sum,lts__t_sector_op_read_hit_rate.pct \
 python benchmarks/ncu_linear.py [--variant shipped --variant evict-normal] [--shapes 14336x4096] [--ms 1 16 64]
-    python benchmarks/ncu_linear.py --summarize ncu.csv   # one line per label and kernel (ncu --log-file ncu.csv)
+    python benchmarks/ncu_linear.py --summarize ncu.csv run.log   # ncu --log-file ncu.csv ... > run.log
 
 Each variant is one of benchmarks/sweep_linear.py's (default: "shipped", linear.DEFAULT_OPTIONS), resolved per shape
 and M by linear.options_for as the op resolves it, on a descriptor with the op's L2 promotion. ncu serialises
@@ -40,12 +40,11 @@ def main():
     parser.add_argument("--shapes", nargs="+", metavar="NxK", default=SHAPES, help=f"of sweep_linear.SHAPES "
                         f"(default {' '.join(SHAPES)})")
     parser.add_argument("--ms", type=int, nargs="+", default=list(MS), help=f"M values (default {list(MS)})")
-    parser.add_argument("--summarize", metavar="CSV", help="only print a summary of ncu's --csv output (any machine)")
-    parser.add_argument("--log", help="with --summarize: this script's output, to label a CSV of launches without "
-                        "label ranges (summarize)")
+    parser.add_argument("--summarize", nargs=2, metavar=("CSV", "LOG"), help="only print a summary of ncu's --csv "
+                        "output, its launches named by this script's output of the same run (any machine)")
     args = parser.parse_args()
     if args.summarize:
-        summarize(args.summarize, args.log)
+        summarize(*args.summarize)
         return
     shapes = sweep_linear.select_shapes(parser, args.shapes)
     import cutlass
@@ -84,46 +83,42 @@ def main():
 
 
 def profiled(launch, label):
-    """REPEATS launches inside the NVTX range that ncu is told to profile, each waited for; a range named label
-    inside it names them in ncu's CSV (summarize)."""
+    """REPEATS launches inside the NVTX range that ncu is told to profile, each waited for; the line printed names
+    them for summarize."""
     torch.cuda.synchronize()
     torch.cuda.nvtx.range_push("profile")
-    torch.cuda.nvtx.range_push(label)
     for _ in range(REPEATS):
         launch()
         torch.cuda.synchronize()
     torch.cuda.nvtx.range_pop()
-    torch.cuda.nvtx.range_pop()
     print(f"{label}: {REPEATS} launches", flush=True)
 
 
-def summarize(path, log=None):
+def summarize(path, log):
     """One line per profiled label and kernel from ncu's --csv output (the metrics of the module docstring): the
     launches' time range, DRAM bytes read and written, and L2 read hit rate, each as min-max over the launches.
 
-    A CSV whose launches carry no label range (this script before it pushed one) is labelled from log, the script's
-    own output ("LABEL: N launches" lines, in order): N kernels of ours for an "ours" line, and for a "cublas" line
-    every kernel up to the next of ours (cuBLAS may launch two per call)."""
+    ncu's CSV lists launches in order but not which call made them; log, this script's output, does ("LABEL: N
+    launches" lines, in the same order): N kernels of ours for an "ours" line, and for a "cublas" line every kernel
+    up to the next of ours (cuBLAS may launch two per call)."""
     with (lzma.open if path.endswith(".xz") else open)(path, "rt") as f:  # docs/results keeps them as .csv.xz
         rows = [r for r in csv.reader(f) if len(r) > 16 and r[0].isdigit()]
-    launches = {}  # ncu's launch ID -> (label, kernel), {metric: value}
+    launches = {}  # ncu's launch ID -> [kernel, {metric: value}], in launch order
     for r in rows:
-        ranges = re.findall(r"<default domain>:([^:]*):", r[4])
-        label = " / ".join(name for name in ranges if name != "profile") or "?"
-        launches.setdefault(r[0], ((label, r[6][:48]), {}))[1][r[14]] = float(r[16].replace(",", ""))
-    if log:
-        ordered = [(m[1], int(m[2])) for m in re.finditer(r"^(.*): (\d+) launches$", open(log).read(), re.M)]
-        ids, i = list(launches), 0
-        for label, count in ordered:
-            ours = label.startswith("ours")
-            taken = 0
-            while i < len(ids) and (taken < count if ours else not launches[ids[i]][0][1].startswith(OUR_KERNEL)):
-                (_, kernel), metrics = launches[ids[i]]
-                launches[ids[i]] = ((label, kernel), metrics)
-                i, taken = i + 1, taken + 1
+        launches.setdefault(r[0], [r[6][:48], {}])[1][r[14]] = float(r[16].replace(",", ""))
+    ordered = [(m[1], int(m[2])) for m in re.finditer(r"^(.*): (\d+) launches$", open(log).read(), re.M)]
+    kernels, labels, i = list(launches.values()), [], 0
+    for label, count in ordered:
+        start = i
+        while i < len(kernels) and (i - start < count if label.startswith("ours")
+                                    else not kernels[i][0].startswith(OUR_KERNEL)):
+            i += 1
+        labels += [label] * (i - start)
+    if i != len(kernels):
+        raise SystemExit(f"{log} names {i} of the {len(kernels)} launches in {path}: not this run's log")
     groups = {}
-    for key, metrics in launches.values():
-        groups.setdefault(key, []).append(metrics)
+    for label, (kernel, metrics) in zip(labels, kernels):
+        groups.setdefault((label, kernel), []).append(metrics)
     columns = (("gpu__time_duration.sum", "us", 1e-3), ("dram__bytes_read.sum", "MB read", 1e-6),
                ("dram__bytes_write.sum", "MB written", 1e-6), ("lts__t_sector_op_read_hit_rate.pct", "% L2 hit", 1))
     for (label, kernel), runs in groups.items():

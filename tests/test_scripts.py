@@ -32,37 +32,41 @@ def test_script_answers_help(path, monkeypatch, capsys):
     assert capsys.readouterr().out.startswith("usage:")
 
 
-def _ncu_row(launch, ranges, kernel, metric, value):
-    """One row of `ncu --csv` output as ncu writes it (17 columns; the ranges column as ncu nests them)."""
-    stack = " ".join(f'"<default domain>:{name}:none:none:none:none:none:none"' for name in ranges)
-    return [str(launch), "1", "python3", "host", f"1  {stack} ", "", kernel, "1", "7", "(160, 1, 1)", "(1, 112, 1)",
-            "0", "9.0", "Command line profiler metrics", metric, "byte", value]
+
+def _ncu_row(launch, kernel, metric, value):
+    """One row of `ncu --csv` output as ncu writes it (17 columns)."""
+    return [str(launch), "1", "python3", "host", '1  "<default domain>:profile:none:none:none:none:none:none" ', "",
+            kernel, "1", "7", "(160, 1, 1)", "(1, 112, 1)", "0", "9.0", "Command line profiler metrics", metric, "byte",
+            value]
 
 
-def test_ncu_summary_groups_launches_by_label_range(tmp_path, capsys):
+def test_ncu_summary_names_launches_from_the_scripts_log(tmp_path, capsys):
     import csv
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import ncu_linear
-    ours, theirs = ncu_linear.OUR_KERNEL + "_build", "nvjet_sm90_tst"
-    rows = [_ncu_row(0, ["profile", "ours a"], ours, "dram__bytes_write.sum", "0"),
-            _ncu_row(0, ["profile", "ours a"], ours, "gpu__time_duration.sum", "42,500"),
-            _ncu_row(1, ["profile", "ours a"], ours, "dram__bytes_write.sum", "1,000,000"),
-            _ncu_row(1, ["profile", "ours a"], ours, "gpu__time_duration.sum", "41,000"),
-            _ncu_row(2, ["profile", "cublas b"], theirs, "dram__bytes_write.sum", "2,000,000"),
-            _ncu_row(2, ["profile", "cublas b"], theirs, "gpu__time_duration.sum", "44,000")]
-    path = tmp_path / "ncu.csv"
+    ours, theirs, reduce = ncu_linear.OUR_KERNEL + "_build", "nvjet_sm90_tst_splitK", "splitKreduce_kernel"
+    launches = [(ours, "0", "42,500"), (ours, "1,000,000", "41,000"), (theirs, "2,000,000", "44,000"),
+                (reduce, "0", "4,000")]
+    path, log = tmp_path / "ncu.csv", tmp_path / "run.log"
     with open(path, "w", newline="") as f:
         f.write("==PROF== Connected to process 1\n")
-        csv.writer(f, quoting=csv.QUOTE_ALL).writerows(rows)
-    ncu_linear.summarize(str(path))
-    lines = capsys.readouterr().out.splitlines()
-    assert lines == [f"ours a | {ours} | 2 launches | 41.00-42.50 us | 0.00-1.00 MB written",
-                     f"cublas b | {theirs} | 1 launches | 44.00-44.00 us | 2.00-2.00 MB written"]
+        csv.writer(f, quoting=csv.QUOTE_ALL).writerows(
+            row for i, (kernel, written, ns) in enumerate(launches)
+            for row in (_ncu_row(i, kernel, "dram__bytes_write.sum", written),
+                        _ncu_row(i, kernel, "gpu__time_duration.sum", ns)))
+    log.write_text("ours a (96 CTAs): 2 launches\ncublas b: 1 launches\n")
+    ncu_linear.summarize(str(path), str(log))
+    assert capsys.readouterr().out.splitlines() == [
+        f"ours a (96 CTAs) | {ours} | 2 launches | 41.00-42.50 us | 0.00-1.00 MB written",
+        f"cublas b | {theirs} | 1 launches | 44.00-44.00 us | 2.00-2.00 MB written",
+        f"cublas b | {reduce} | 1 launches | 4.00-4.00 us | 0.00-0.00 MB written"]
+    log.write_text("ours a (96 CTAs): 1 launches\n")  # a log of another run names too few launches
+    with pytest.raises(SystemExit, match="names 1 of the 4 launches"):
+        ncu_linear.summarize(str(path), str(log))
 
 
-def test_ncu_summary_labels_run1_from_the_scripts_log(capsys):
-    """docs/results' first eviction run has no label ranges: the log's lines name its launches in order (two cuBLAS
-    kernels a call at 4096x4096 M <= 16)."""
+def test_ncu_summary_of_the_first_eviction_run(capsys):
+    """docs/results keeps the first eviction run's CSV and log; the shipped launches wrote nothing back to DRAM."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import ncu_linear
     results = ROOT / "docs" / "results"
