@@ -20,6 +20,7 @@ import math
 import os
 import re
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -106,7 +107,7 @@ def summarize(path, log):
     launches = {}  # ncu's launch ID -> [kernel, {metric: value}], in launch order
     for r in rows:
         launches.setdefault(r[0], [r[6][:48], {}])[1][r[14]] = float(r[16].replace(",", ""))
-    ordered = [(m[1], int(m[2])) for m in re.finditer(r"^(.*): (\d+) launches$", open(log).read(), re.M)]
+    ordered = [(m[1], int(m[2])) for m in re.finditer(r"^(.*): (\d+) launches$", Path(log).read_text(), re.M)]
     kernels, labels, i = list(launches.values()), [], 0
     for label, count in ordered:
         start = i

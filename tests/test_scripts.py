@@ -32,6 +32,13 @@ def test_script_answers_help(path, monkeypatch, capsys):
     assert capsys.readouterr().out.startswith("usage:")
 
 
+@pytest.fixture
+def ncu_linear(monkeypatch):
+    """benchmarks/ncu_linear.py as a module, its folder on sys.path only for the test (it imports its siblings)."""
+    monkeypatch.setattr(sys, "path", [str(ROOT / "benchmarks"), *sys.path])
+    import ncu_linear
+    return ncu_linear
+
 
 def _ncu_row(launch, kernel, metric, value):
     """One row of `ncu --csv` output as ncu writes it (17 columns)."""
@@ -40,10 +47,8 @@ def _ncu_row(launch, kernel, metric, value):
             value]
 
 
-def test_ncu_summary_names_launches_from_the_scripts_log(tmp_path, capsys):
+def test_ncu_summary_names_launches_from_the_scripts_log(tmp_path, capsys, ncu_linear):
     import csv
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import ncu_linear
     ours, theirs, reduce = ncu_linear.OUR_KERNEL + "_build", "nvjet_sm90_tst_splitK", "splitKreduce_kernel"
     launches = [(ours, "0", "42,500"), (ours, "1,000,000", "41,000"), (theirs, "2,000,000", "44,000"),
                 (reduce, "0", "4,000")]
@@ -65,10 +70,8 @@ def test_ncu_summary_names_launches_from_the_scripts_log(tmp_path, capsys):
         ncu_linear.summarize(str(path), str(log))
 
 
-def test_ncu_summary_of_the_first_eviction_run(capsys):
+def test_ncu_summary_of_the_first_eviction_run(capsys, ncu_linear):
     """docs/results keeps the first eviction run's CSV and log; the shipped launches wrote nothing back to DRAM."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import ncu_linear
     results = ROOT / "docs" / "results"
     ncu_linear.summarize(str(results / "ncu-eviction-h100-run1-warm.csv.xz"),
                          str(results / "ncu-eviction-h100-run1-warm.log"))
