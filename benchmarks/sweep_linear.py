@@ -3,7 +3,7 @@
     timeout 300 python benchmarks/sweep_linear.py [--csv PATH] [--variant NAME ...] [--in-situ NAME ...] [--ms M ...]
         [--shapes NxK ...] [--feed-smem-kib KIB]
 
-(--variant and --in-situ repeat: --variant shipped --variant landed.)
+(--variant and --in-situ repeat: --variant shipped --variant no-lead.)
 
 For each variant (the shipped defaults, where cluster and one-CTA-per-tile launches of at most three quarters of the SMs
 trigger the next launch once the TMA warp has issued its last weight load (at M <= 16 three loads before it,
@@ -15,13 +15,9 @@ CTA per SM does, long runs on a half-SM ring too; "half-trigger": the shipped po
 the SMs trigger after their last load and share their SMs (load_trigger_grid=0.5); "load-trigger": every cluster and
 one-CTA-per-tile build triggers that way and shares its SMs; "no-trigger": none triggers before exit; "no-lead": those
 that trigger after their last load do so right after it at every M (shipped: 3 loads before it at M <= 16,
-KernelOptions.trigger_lead); "lead-8", "lead-5" and "lead-2": 8, 5 and 2 loads before it at M <= 16; "landed": the MMA
-warps trigger once the block the lead points at has landed (KernelOptions.trigger_point); "deep-pre4": the whole SM's
-ring with two wgmma in flight at every shape, at most 4 weight blocks requested before griddepcontrol.wait
-(KernelOptions.pre_wait_blocks); "reduce-cta0": the cluster split reducing on CTA 0, as shipped before sweep run 24
+KernelOptions.trigger_lead); "lead-8", "lead-5" and "lead-2": 8, 5 and 2 loads before it at M <= 16; "reduce-cta0": the cluster split reducing on CTA 0, as shipped before sweep run 24
 (shipped now: every CTA sums and stores a share, KernelOptions.cluster_scatter); "ring-partials": every cluster build's
-partials in the receiver's drained ring (KernelOptions.own_partial_bytes=0); "full-pre6": the whole SM's ring with one
-wgmma in flight and at most 6 blocks requested before the wait; "no-beside": launches alone on their SMs receive
+partials in the receiver's drained ring (KernelOptions.own_partial_bytes=0); "no-beside": launches alone on their SMs receive
 partials above OWN_PARTIAL_BYTES in their drained ring, as before sweep run 26 (shipped since: in a buffer in the SM's
 other half, KernelOptions.partials_beside); "no-beside-small": smaller partials in a buffer inside the ring's share, as
 before sweep run 27 (shipped since: beside it too, the ring gaining their stages, KernelOptions.beside_small);
@@ -30,24 +26,18 @@ before sweep run 27 (shipped since: beside it too, the ring gaining their stages
 (at every M; shipped only for M=64 runs of 100 blocks or more, KernelOptions.deep_ring_blocks); "wgmma2": a second
 stage's wgmma in flight on the shipped rings; "no-deep-ring": none of them; "stream-k": stream-K at every shape (every
 SM streams an equal run, so every GPC a share in proportion to its SMs); "stream-k-deep": that with the whole SM's ring
-and two wgmma in flight; "x-mc2" and "x-mc4": launches of one CTA per row tile alone on their SMs in clusters of 2 (M >=
-16) or 4 (M >= 32) row tiles that multicast their x loads; "x-place2" and "x-place4": the same clusters at M >= 16 with
-each CTA loading its own x (the clusters only place the CTAs); "fill": launches with their partials beside the ring give
+and two wgmma in flight; "fill": launches with their partials beside the ring give
 it all the shared memory the partials leave at every M (KernelOptions.ring_fill; shipped: for m_pad 64, M 33-64);
-"fill-pre6": that with at most 6 weight blocks requested before the PDL wait; "no-fill": at no M, as before sweep run
-32; "fill-steady6" and "fill-steady4": "fill" with at most 6 or 4 stages issued and not released once the wait has
-returned (KernelOptions.steady_depth); "steady4": the shipped rings with at most 4; "waiting2k" to "waiting5k" by
-1,000 and "waiting8k": below m_pad 64 the filled ring's shared memory, the half ring's weight blocks before the wait,
-the rest of the ring too only in CTAs whose previous launch still runs that many thousand SM cycles after the TMA warp
-starts, the half ring's depth after the wait in the others (KernelOptions.deep_while_waiting); "signal": the same
-choice made from the previous launch's CTAs that still stream (KernelOptions.deep_signal); "direct": builds of one CTA
+"no-fill": at no M, as before sweep run 32; "direct": builds of one CTA
 per row tile store y one output at a time, as before sweep run 41 (shipped since: through shared memory in coalesced
 16-byte runs, KernelOptions.staged_store); "two-wg": two consumer
 warpgroups of 64 weight rows each; "two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier
 runs also swept the weight loaded without the L2 evict-first hint, the release form of the cluster barrier's entry
 arrive, the descriptor prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters
 that do not all run at once, the cluster split's bounds, a second wgmma in flight on the half-SM ring, PDL, the
-descriptor fence scope, shares of the shared memory and two CTAs per SM: see docs/linear.md; every variant is built
+descriptor fence scope, shares of the shared memory and two CTAs per SM, and options since taken out of the kernel (x
+multicast, a bounded steady depth, a deep ring chosen per CTA, a smaller first request, the trigger from the MMA warps;
+the code that ran them is commit 2dc719b): see docs/linear.md; every variant is built
 from the current DEFAULT_OPTIONS, so at M 33-64 on long runs "full-ring", "x-evict-last" and "two-wg" now get the deep
 ring too), each shape N x K in SHAPES (or --shapes) and M in MS (or --ms) (bf16, no bias): first validate the
 variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|, output
@@ -107,21 +97,12 @@ def variants(linear):
         "lead-8": shipped._replace(trigger_lead=8),
         "lead-5": shipped._replace(trigger_lead=5),
         "lead-2": shipped._replace(trigger_lead=2),
-        # the MMA warps trigger once the run's last block has landed (M <= 16: the block 3 before it), not the TMA warp
-        # as it issues the last load
-        "landed": shipped._replace(trigger_point="landed"),
-        # the whole SM's ring with two wgmma in flight (the M=64 deep ring) at every shape, at most 4 weight blocks
-        # requested before griddepcontrol.wait
-        "deep-pre4": shipped._replace(smem_share=1, wgmma_in_flight=2, pre_wait_blocks=4),
         # CTA 0 of a cluster receives every partial and sums and stores all of the row tile's y (shipped before run 24:
         # now every CTA sums and stores a share of it, a reduce-scatter, KernelOptions.cluster_scatter)
         "reduce-cta0": shipped._replace(cluster_scatter=False),
         # every cluster build's partials land in the drained ring (own_partial_bytes=0): at M=16 with 3 CTAs per tile,
         # 6 stages of the half-SM ring instead of 5, senders waiting for the cluster's slowest CTA
         "ring-partials": shipped._replace(own_partial_bytes=0),
-        # the whole SM's ring with one wgmma in flight, at most 6 weight blocks (the half ring's depth at M <= 16)
-        # requested before griddepcontrol.wait, the rest after it
-        "full-pre6": shipped._replace(smem_share=1, pre_wait_blocks=6),
         # partials that would land in the drained ring do so in launches alone on their SMs too (shipped since sweep
         # run 26: a buffer of their own in the SM's other half, KernelOptions.partials_beside)
         "no-beside": shipped._replace(partials_beside=False),
@@ -129,23 +110,9 @@ def variants(linear):
         # move out too and the ring gains their stages, KernelOptions.beside_small)
         "no-beside-small": shipped._replace(beside_small=False),
         # launches with their partials beside the ring give the ring all the SM's shared memory the partials leave
-        # (KernelOptions.ring_fill; shipped for m_pad 64 since sweep run 32) at every M, and also with at most 6 weight
-        # blocks requested before griddepcontrol.wait; "no-fill": at no M
+        # (KernelOptions.ring_fill; shipped for m_pad 64 since sweep run 32) at every M; "no-fill": at no M
         "fill": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0]),
-        "fill-pre6": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0], pre_wait_blocks=6),
         "no-fill": shipped._replace(ring_fill=False),
-        # at most 6 or 4 stages issued and not released once griddepcontrol.wait has returned (KernelOptions.
-        # steady_depth): the filled ring's first request at every M, then 6 (the half ring's depth at M <= 16) or 4;
-        # and the shipped rings held to 4
-        "fill-steady6": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0], steady_depth=6),
-        "fill-steady4": shipped._replace(ring_fill=True, ring_fill_min_m_pad=linear.M_PADS[0], steady_depth=4),
-        "steady4": shipped._replace(steady_depth=4),
-        # below m_pad 64, the filled ring asked for only while the previous launch still runs that many SM cycles after
-        # the TMA warp's start (KernelOptions.deep_while_waiting); other CTAs keep to the half ring's depth
-        **{f"waiting{c // 1000}k": shipped._replace(deep_while_waiting=c) for c in (2000, 3000, 4000, 5000, 8000)},
-        # ... or only where the previous launch's CTAs still count themselves in the workspace's LIVE_WORD
-        # (KernelOptions.deep_signal): counted as each CTA triggers the next launch, uncounted as its ring drains
-        "signal": shipped._replace(deep_signal=True),
         # one-CTA-per-tile builds store y one 2-byte output at a time, not through shared memory in 16-byte runs
         # (KernelOptions.staged_store, shipped since sweep run 41; "staged" named it in run 40)
         "direct": shipped._replace(staged_store=False),
@@ -167,13 +134,6 @@ def variants(linear):
         "stream-k": shipped._replace(cluster_split=0),
         # ... with the whole SM's ring and a second stage's wgmma in flight (the M=64 deep ring)
         "stream-k-deep": shipped._replace(cluster_split=0, smem_share=1, wgmma_in_flight=2),
-        # launches of one CTA per row tile alone on their SMs in clusters of 2 (M >= 16) or 4 (M >= 32) row tiles
-        # whose CTAs each load a share of every x block and multicast it to the cluster (KernelOptions.x_multicast)
-        "x-mc2": shipped._replace(x_multicast=2, x_multicast_min_m_pad=16),
-        "x-mc4": shipped._replace(x_multicast=4, x_multicast_min_m_pad=32),
-        # ... the same clusters at M >= 16, each CTA loading its own x: the clusters only place the CTAs on the GPCs
-        "x-place2": shipped._replace(x_multicast=2, x_multicast_min_m_pad=16, x_shared=False),
-        "x-place4": shipped._replace(x_multicast=4, x_multicast_min_m_pad=16, x_shared=False),
     }
 
 

@@ -68,25 +68,10 @@ OPTION_VARIANTS = [
     # alone on its SMs, triggering after the last load wherever the grid fits (exclusive_trigger_grid=1), and
     # exclusive_sm on every build, stream-K too
     linear.DEFAULT_OPTIONS._replace(exclusive_trigger_grid=1.0, exclusive_sm=True),
-    # the MMA warps trigger once the block trigger_lead (3) before the run's last has landed
-    linear.DEFAULT_OPTIONS._replace(early_trigger=False, load_trigger=True, trigger_point="landed"),
-    # the deep ring with at most 4 weight blocks requested before the PDL wait
-    linear.DEFAULT_OPTIONS._replace(smem_share=1, wgmma_in_flight=2, pre_wait_blocks=4),
     linear.DEFAULT_OPTIONS._replace(cluster_scatter=False),  # CTA 0 of a cluster sums and stores all of y
     linear.DEFAULT_OPTIONS._replace(own_partial_bytes=0),  # every cluster build's partials in the drained ring
     # alone on the SM, partials above OWN_PARTIAL_BYTES in the drained ring rather than in the SM's other half
     linear.DEFAULT_OPTIONS._replace(partials_beside=False),
-    # one-CTA-per-tile launches (10240x8192) in clusters of 2 or 4 row tiles that multicast their x loads
-    linear.DEFAULT_OPTIONS._replace(x_multicast=2, x_multicast_min_m_pad=16),
-    linear.DEFAULT_OPTIONS._replace(x_multicast=4, x_multicast_min_m_pad=32),
-    # ... clusters of 4 that only place the CTAs (each loads its own x)
-    linear.DEFAULT_OPTIONS._replace(x_multicast=4, x_multicast_min_m_pad=16, x_shared=False),
-    # the filled ring at every M, at most 4 loads in flight once the PDL wait has returned
-    linear.DEFAULT_OPTIONS._replace(ring_fill_min_m_pad=linear.M_PADS[0], steady_depth=4),
-    # below m_pad 64 the filled ring's memory, its rest asked for only while the previous launch runs 3,000 cycles on
-    linear.DEFAULT_OPTIONS._replace(deep_while_waiting=3000),
-    # ... or only where the previous launch's CTAs still count themselves in the workspace's LIVE_WORD
-    linear.DEFAULT_OPTIONS._replace(deep_signal=True),
     # one-CTA-per-tile builds storing y one output at a time (shipped: through shared memory, staged_store)
     linear.DEFAULT_OPTIONS._replace(staged_store=False),
 ]
@@ -94,12 +79,8 @@ OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-c
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
               f"{'-prefetch' * bool(o.descriptor_prefetch)}{'-loadtrigger' * o.load_trigger}"
               f"{'-2wg' * (o.consumer_warpgroups == 2)}{'-exclusive' * o.exclusive_sm}"
-              f"{'-landed' * (o.trigger_point == 'landed')}{f'-prewait{o.pre_wait_blocks}' * bool(o.pre_wait_blocks)}"
               f"{'-reduce0' * (o.cluster_split > 0 and not o.cluster_scatter)}"
               f"{'-ring' * (o.own_partial_bytes != linear.OWN_PARTIAL_BYTES)}{'-nobeside' * (o.cluster_scatter and not o.partials_beside)}"
-              f"{f'-xmc{o.x_multicast}' * (o.x_multicast > 1)}{'-place' * (o.x_multicast > 1 and not o.x_shared)}"
-              f"{f'-steady{o.steady_depth}' * bool(o.steady_depth)}"
-              f"{f'-waiting{o.deep_while_waiting}' * bool(o.deep_while_waiting)}{'-signal' * o.deep_signal}"
               f"{'-direct' * (o == linear.DEFAULT_OPTIONS._replace(staged_store=False))}"
               for o in OPTION_VARIANTS]
 
@@ -213,7 +194,7 @@ def test_no_predicated_r2ur(m_pad, tmp_path):
 @pytest.mark.parametrize("options", OPTION_VARIANTS, ids=OPTION_IDS)
 def test_kernel_options_compile(options, tmp_path):
     """Each option reaches the code: the fence scope, griddepcontrol (one trigger, a second in the load loop for
-    trigger_lead; with trigger_point "landed" the one in the MMA warps' loop instead; waits only with pdl),
+    trigger_lead; waits only with pdl),
     weight loads through the fenced descriptor (twice as many load sites with weight_before_wait), and no
     predicated R2UR in the extra load loop."""
     ptx, cubin = _ptx_and_cubin(torch.bfloat16, 16, True, tmp_path, options)
@@ -221,7 +202,7 @@ def test_kernel_options_compile(options, tmp_path):
     loads = TMA_LOAD_DESCRIPTOR.findall(ptx)
     sites = 4 if options.weight_before_wait else 2
     assert len(loads) == sites and loads.count(fenced) == sites // 2, (fenced, loads)
-    lead = options.run_trigger == "issue" and options.trigger_lead > 0
+    lead = options.trigger_in_run and options.trigger_lead > 0
     assert ptx.count("griddepcontrol.launch_dependents;") == int(options.pdl and (options.early_trigger
                                                                                   or options.load_trigger)) + lead
     assert (ptx.count("griddepcontrol.wait;") > 0) == options.pdl
@@ -1058,155 +1039,6 @@ def test_ring_fill_takes_what_the_partials_leave(m_pad, cluster_k):
         assert stages == 6 and linear.ring_stages(16, o) == 11
 
 
-MBARRIER_WAIT = "mbarrier.try_wait.parity"
-
-
-def test_steady_depth_gates_the_main_loop(tmp_path):
-    """KernelOptions.steady_depth on the filled ring of 4096x4096 at M=16 (11 stages): the TMA warp's main loop waits
-    on one more empty barrier per load, the slot stages - steady_depth ahead of the one it acquires (the constant the
-    gate's first index adds to the loop's); the load sites stay; a depth of at least the ring's compiles to the plain
-    build's PTX; a negative one, or one below wgmma_in_flight (the two sides would wait on each other), is refused."""
-    o = linear.options_for(linear.DEFAULT_OPTIONS._replace(ring_fill_min_m_pad=linear.M_PADS[0]), 4096, 4096, 16,
-                           *H200)
-    stages = linear.ring_stages(16, o)
-    assert o.ring_fill and o.steady_depth == 0 and o.wgmma_in_flight == 1 and stages == 11
-
-    def ptx(depth):
-        dump = tmp_path / f"d{depth}"
-        dump.mkdir()
-        text, _ = _ptx_and_cubin(torch.bfloat16, 16, False, dump, o._replace(steady_depth=depth))
-        return "".join(line + "\n" for line in text.splitlines() if not line.startswith("//"))
-
-    def adds(code, constant):
-        return len(re.findall(rf"add\.s32\s+%r\d+, %r\d+, {constant};", code))
-
-    plain = ptx(0)
-    assert ptx(stages) == plain and ptx(stages + 3) == plain
-    for depth in (6, 3):
-        gated = ptx(depth)
-        assert gated.count(MBARRIER_WAIT) == plain.count(MBARRIER_WAIT) + 1, depth
-        assert len(TMA_LOAD_DESCRIPTOR.findall(gated)) == len(TMA_LOAD_DESCRIPTOR.findall(plain)) == 4
-        # the extra wait sits in the main loop, after the PDL wait
-        tail = gated[gated.index("griddepcontrol.wait;"):]
-        assert tail.count(MBARRIER_WAIT) == plain[plain.index("griddepcontrol.wait;"):].count(MBARRIER_WAIT) + 1
-        assert adds(gated, stages - depth) > adds(plain, stages - depth), depth
-    with pytest.raises(ValueError, match="steady_depth"):
-        o._replace(steady_depth=-1).check()
-    with pytest.raises(ValueError, match="steady_depth must be 0 or at least wgmma_in_flight"):
-        o._replace(steady_depth=1, wgmma_in_flight=2).check()
-    o._replace(steady_depth=2, wgmma_in_flight=2).check()
-
-
-def test_deep_while_waiting_polls_before_the_wait_and_gates_after(tmp_path):
-    """KernelOptions.deep_while_waiting: options_for keeps it (with the filled ring) only below ring_fill_min_m_pad where
-    the partials lie beside the ring and the filled ring is deeper than the half (4096x4096 M=16: 11 stages against 6),
-    and drops it at M=64 (filled anyway) and on stream-K builds (no filled ring). Its PTX, against the same filled ring
-    without it: the TMA warp reads the SM clock and polls one mbarrier (mbarrier.test_wait) before griddepcontrol.wait,
-    against the threshold (a 64-bit compare with threshold - 1, which moves with the option); one MMA thread arrives on
-    that barrier after its own wait; a second weight load site (the rest of the ring) before the wait; the main loop
-    waits on one more empty barrier (the half ring's gate, stages - half ahead; test_steady_depth_gates_the_main_loop
-    places the same gate after the wait); where nvdisasm is installed, no predicated R2UR. Bad values and clashing
-    options are refused."""
-    policy = linear.DEFAULT_OPTIONS._replace(deep_while_waiting=5000)
-    o = linear.options_for(policy, 4096, 4096, 16, *H200)
-    stages, half = linear.ring_stages(16, o), linear.ring_stages(16, o._replace(ring_fill=False))
-    assert o.ring_fill and o.deep_while_waiting == 5000 and (stages, half) == (11, 6)
-    assert linear.options_for(policy, 4096, 4096, 64, *H200).deep_while_waiting == 0
-    assert linear.options_for(policy, 4096, 4096, 64, *H200).ring_fill
-    stream_k = linear.options_for(policy, 57344, 8192, 16, *H200)
-    assert stream_k.cluster_k == 0 and not stream_k.ring_fill and stream_k.deep_while_waiting == 0
-    assert linear.options_for(linear.DEFAULT_OPTIONS, 4096, 4096, 16, *H200) == o._replace(
-        ring_fill=False, deep_while_waiting=0)
-
-    cubins = {}
-
-    def ptx(options, name):
-        dump = tmp_path / name
-        dump.mkdir()
-        text, cubins[name] = _ptx_and_cubin(torch.bfloat16, 16, False, dump, options)
-        return "".join(line + "\n" for line in text.splitlines() if not line.startswith("//"))
-
-    def adds(code, constant):
-        return len(re.findall(rf"add\.s32\s+%r\d+, %r\d+, {constant};", code))
-
-    fill = ptx(o._replace(deep_while_waiting=0), "fill")
-    waiting = ptx(o, "waiting")
-    assert "mbarrier.test_wait" not in fill and "%clock64" not in fill
-    assert waiting.count("mbarrier.test_wait") == 1 and waiting.count("%clock64") == 2
-    tma_wait = waiting.index("griddepcontrol.wait;", waiting.index("mbarrier.test_wait"))
-    assert waiting.index("%clock64") < waiting.index("mbarrier.test_wait") < tma_wait
-    assert re.search(r"setp\.gt\.s64\s+%p\d+, %rd\d+, 4999;", waiting[:tma_wait])
-    assert re.search(r"setp\.gt\.s64\s+%p\d+, %rd\d+, 2999;", ptx(o._replace(deep_while_waiting=3000), "w3k"))
-    assert waiting.count("griddepcontrol.wait;") == fill.count("griddepcontrol.wait;") == 2
-    arrive = re.compile(r"mbarrier\.arrive\.(?:release\.cta\.)?shared(?:::cta)?\.b64")
-    assert len(arrive.findall(waiting)) == len(arrive.findall(fill)) + 1
-    # one more weight load site before the wait (the rest of the ring, with its slot's acquire) and the gate's wait
-    assert len(TMA_LOAD_DESCRIPTOR.findall(waiting)) == len(TMA_LOAD_DESCRIPTOR.findall(fill)) + 1
-    assert waiting.count(MBARRIER_WAIT) == fill.count(MBARRIER_WAIT) + 2
-    assert adds(waiting, stages - half) > adds(fill, stages - half)
-    nvdisasm = _nvdisasm()
-    if nvdisasm is not None:  # the third weight load loop, its trip count from the shuffle, keeps R2UR unpredicated
-        assert _predicated_r2ur(cubins["waiting"], nvdisasm) == (5, [])
-    for bad, match in ((-1, "must be >= 0"),):
-        with pytest.raises(ValueError, match=match):
-            o._replace(deep_while_waiting=bad).check()
-    for clash in (dict(pre_wait_blocks=6), dict(steady_depth=6), dict(weight_before_wait=False)):
-        with pytest.raises(ValueError, match="deep_while_waiting needs weight_before_wait"):
-            o._replace(**clash).check()
-
-
-def test_deep_signal_counts_and_reads_the_live_word(tmp_path):
-    """KernelOptions.deep_signal: options_for keeps the filled ring below ring_fill_min_m_pad only where it is deeper
-    than the half (4096x4096 M=16: 11 stages against 6) and keeps deep_signal on every build, so that every launch
-    counts. The PTX against the same filled ring without it: a relaxed read of the workspace's LIVE_WORD at the TMA
-    warp's start, before any weight load, and three atomic adds on it (the count at the trigger_lead load and after
-    the loop, the uncount once the ring drained), no clock or barrier poll (deep_while_waiting's), one more weight
-    load site before griddepcontrol.wait (the rest of the ring, with its slot's acquire) and the half ring's gate. At
-    M=64 (filled anyway) the build only counts (two adds, no read); a stream-K build (trigger at its start) neither
-    counts nor reads, and a cluster split that triggers at its exit (8192x28672) keeps the half ring. Where
-    nvdisasm is installed, no predicated R2UR. Clashing options are refused."""
-    policy = linear.DEFAULT_OPTIONS._replace(deep_signal=True)
-    o = linear.options_for(policy, 4096, 4096, 16, *H200)
-    stages, half = linear.ring_stages(16, o), linear.ring_stages(16, o._replace(ring_fill=False))
-    assert o.ring_fill and o.deep_signal and o.run_trigger == "issue" and o.trigger_lead and (stages, half) == (11, 6)
-    assert linear.options_for(linear.DEFAULT_OPTIONS, 4096, 4096, 16, *H200) == o._replace(
-        ring_fill=False, deep_signal=False)
-    wide = linear.options_for(policy, 4096, 4096, 64, *H200)
-    stream_k = linear.options_for(policy, 57344, 8192, 16, *H200)
-    assert wide.ring_fill and wide.deep_signal and not stream_k.ring_fill and stream_k.run_trigger == ""
-    at_exit = linear.options_for(policy, 8192, 28672, 16, *H200)  # a cluster split that triggers at its exit
-    assert at_exit.cluster_k == 2 and at_exit.run_trigger == "" and at_exit.deep_signal and not at_exit.ring_fill
-
-    def ptx(options, m_pad, name):
-        dump = tmp_path / name
-        dump.mkdir()
-        text, cubin = _ptx_and_cubin(torch.bfloat16, m_pad, False, dump, options)
-        return "".join(line + "\n" for line in text.splitlines() if not line.startswith("//")), cubin
-
-    atom = re.compile(r"atom\.global\.add\.u32\s+%r\d+, \[%rd\d+\], (-?\d+);")
-    fill, _ = ptx(o._replace(deep_signal=False), 16, "fill")
-    signal, cubin = ptx(o, 16, "signal")
-    read = re.compile(rf"ld\.relaxed\.gpu\.global\.b32\s+%r\d+, \[%rd\d+\+{linear.LIVE_WORD * 4}\];")
-    assert not atom.findall(fill) and not read.findall(fill) and atom.findall(signal) == ["1", "1", "-1"]
-    assert "%clock64" not in signal and "mbarrier.test_wait" not in signal
-    first_load = TMA_LOAD_DESCRIPTOR.search(signal).start()
-    assert len(read.findall(signal)) == 1
-    assert read.search(signal).start() < first_load < signal.index("griddepcontrol.wait;", first_load)
-    assert signal.index("griddepcontrol.launch_dependents;") > atom.search(signal, first_load).start()
-    assert len(TMA_LOAD_DESCRIPTOR.findall(signal)) == len(TMA_LOAD_DESCRIPTOR.findall(fill)) + 1
-    assert signal.count(MBARRIER_WAIT) == fill.count(MBARRIER_WAIT) + 2  # that site's slot acquire, the gate
-    wide_ptx, stream_k_ptx = ptx(wide, 64, "wide")[0], ptx(stream_k, 16, "stream_k")[0]
-    assert atom.findall(wide_ptx) == ["1", "-1"] and not read.findall(wide_ptx)
-    assert not atom.findall(stream_k_ptx) and not read.findall(stream_k_ptx)
-    nvdisasm = _nvdisasm()
-    if nvdisasm is not None:
-        assert _predicated_r2ur(cubin, nvdisasm) == (5, [])
-    for clash in (dict(pre_wait_blocks=6), dict(steady_depth=6), dict(weight_before_wait=False),
-                  dict(deep_while_waiting=3000)):
-        with pytest.raises(ValueError, match="deep_signal needs weight_before_wait"):
-            o._replace(**clash).check()
-
-
 @pytest.mark.parametrize("m_pad", [32, 64])
 def test_partials_beside_build_has_no_drained_handshake(m_pad, tmp_path):
     """A partials_beside build of 3 CTAs per tile sends every piece it does not own with st.async and never arrives on
@@ -1219,161 +1051,6 @@ def test_partials_beside_build_has_no_drained_handshake(m_pad, tmp_path):
         ptx, _ = _ptx_and_cubin(torch.bfloat16, m_pad, False, dump, options)
         assert len(DRAINED_ARRIVE.findall(ptx)) == drained, options.partials_beside
         assert len(ST_ASYNC_SEND.findall(ptx)) == m_pad // 4
-
-
-def test_x_cluster_policy():
-    """x_multicast groups row tiles of a one-CTA-per-tile launch alone on its SMs where M pads to at least
-    x_multicast_min_m_pad, the tiles make whole clusters that all fit at once and each CTA's share of an x block is
-    whole 8-row swizzle atoms; never otherwise, and never by default."""
-    policy = linear.DEFAULT_OPTIONS._replace(x_multicast=2, x_multicast_min_m_pad=32)
-    for m, want in ((64, 2), (33, 2), (32, 2), (16, 0), (1, 0)):
-        o = linear.options_for(policy, 10240, 8192, m, *H200)
-        assert o.cluster_k == 1 and o.x_cluster == want, (m, o)
-        assert linear.grid_size(10240, 8192, 132, o) == 80
-    for n, k in ((4096, 4096), (28672, 4096), (57344, 8192), (10240 + 128, 8192)):  # split, two per SM, stream-K, odd
-        assert linear.options_for(policy, n, k, 64, *H200).x_cluster == 0, (n, k)
-    assert linear.options_for(policy, 10240, 8192, 64, 132, (132, 39, 39, 30, 22, 17, 15, 15)).x_cluster == 0
-    four = policy._replace(x_multicast=4, x_multicast_min_m_pad=16)
-    assert [linear.options_for(four, 10240, 8192, m, *H200).x_cluster for m in (16, 32, 64)] == [0, 4, 4]
-    # clusters that only place their CTAs (x_shared False) cut no x block: m_pad 16 in clusters of 4 too
-    place = four._replace(x_shared=False)
-    assert [linear.options_for(place, 10240, 8192, m, *H200).x_cluster for m in (8, 16, 64)] == [0, 4, 4]
-    for m in (1, 16, 32, 64):
-        assert linear.options_for(linear.DEFAULT_OPTIONS, 10240, 8192, m, *H200).x_cluster == 0
-    # a CTA past the last row tile makes the cluster whole: 3 tiles in clusters of 2 are 4 CTAs
-    o = linear.options_for(policy, 10240, 8192, 64, *H200)
-    assert linear.grid_size(300, 200, 132, o) == 4 and linear.grid_size(129, 72, 132, o._replace(x_cluster=4)) == 4
-    with pytest.raises(ValueError, match="x_cluster"):
-        o._replace(cluster_k=2).check()
-    with pytest.raises(ValueError, match="x_cluster"):
-        linear.WeightStreamingLinear(DSL_DTYPES[torch.bfloat16], 16, False, 4, o._replace(x_cluster=4))
-
-
-@pytest.mark.parametrize("x_cluster", [2, 4])
-def test_x_multicast_build_multicasts_x(x_cluster, tmp_path):
-    """An x_cluster build loads x with multicast TMA only (before and after the PDL wait), still loads the weight
-    through the fenced cache descriptor, and releases each stage on every CTA of its cluster (remote arrives)."""
-    o = linear.options_for(linear.DEFAULT_OPTIONS._replace(x_multicast=x_cluster, x_multicast_min_m_pad=32), 10240,
-                           8192, 64, *H200)
-    assert o.x_cluster == x_cluster
-    ptx, _ = _ptx_and_cubin(torch.bfloat16, 64, False, tmp_path, o)
-    (fenced,) = re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.sys \[(%rd\d+)\], 128;", ptx)
-    assert TMA_LOAD_DESCRIPTOR.findall(ptx) == [fenced, fenced]  # the weight, before and after the wait
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\S*\.multicast::cluster", ptx)) == 2
-    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == 4
-    assert "mbarrier.arrive.shared::cluster.b64" in ptx
-
-
-@on_gpu
-@pytest.mark.parametrize("shared", [True, False], ids=["multicast", "place"])
-@pytest.mark.parametrize("x_cluster", [2, 4], ids=lambda c: f"x{c}")
-def test_x_multicast_matches_plain_bitwise(x_cluster, shared):
-    """Clusters of x_cluster row tiles that multicast their x loads (or only share a cluster) give y bit for bit
-    equal to the same build without clusters, and matching the float64 reference: on fresh random data, the policy's
-    builds at every m_pad it allows (the deep ring at M=64), row tiles that fill the clusters and ones that leave CTAs
-    past the last tile (3 tiles in clusters of 2 or 4, 2 in 4), ragged K, bias at odd M; y poisoned with NaN before
-    each launch."""
-    policy = linear.DEFAULT_OPTIONS._replace(x_multicast=x_cluster, x_multicast_min_m_pad=8, x_shared=shared)
-    workspace = linear._workspace(0)
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    checked = 0
-    for m in (9, 16, 17, 32, 33, 64):
-        o = linear.options_for(policy, 10240, 8192, m, sm_count, linear.cluster_capacity(0))
-        if shared and linear.m_pad(m) // x_cluster < 8:
-            assert o.x_cluster == 0
-            continue
-        assert o.x_cluster == x_cluster, o
-        for n, k in [(10240, 8192), (300, 200), (129, 72), (1024, 4104)]:
-            x, weight, b = _random(m, n, k, torch.bfloat16, m % 2 == 1)
-            plain, multicast = _launch_each(x, weight, b, (o._replace(x_cluster=0), o), workspace, sm_count)
-            _check(multicast, x, weight, b, f"x_cluster={x_cluster} {n}x{k} M={m}")
-            assert torch.equal(plain, multicast), f"x_cluster={x_cluster} {n}x{k} M={m}: differs from per-CTA x"
-            checked += 1
-    assert checked >= 12, checked
-
-
-@on_gpu
-def test_steady_depth_matches_plain_bitwise():
-    """steady_depth at its least (wgmma_in_flight: 1, or 2 on the M=64 deep ring) and at 4 gives y bit for bit equal
-    to the same build without the bound, and matching the float64 reference, with no launch hanging: the filled
-    rings of the cluster builds of 4096x4096 and 4096x14336 (12 stages at M=1, 11 at M=16, 6 at M=33) and of a
-    ragged K (1000x4104), and the rings of a one-CTA-per-tile (10240x8192) and a stream-K build (57344x8192; both the
-    deep ring with two wgmma in flight at M=33); bias at odd M; y poisoned with NaN before each launch. (Bitwise
-    equality shows the gate loses and reorders nothing; that it holds loads back is what the PTX test checks.)"""
-    policy = linear.DEFAULT_OPTIONS._replace(ring_fill_min_m_pad=linear.M_PADS[0])
-    workspace = linear._workspace(0)
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    capacity = linear.cluster_capacity(0)
-    for n, k in [(4096, 4096), (4096, 14336), (1000, 4104), (10240, 8192), (57344, 8192)]:
-        for m in (1, 16, 33):
-            o = linear.options_for(policy, n, k, m, sm_count, capacity)
-            depths = (o.wgmma_in_flight, 4)
-            x, weight, b = _random(m, n, k, torch.bfloat16, m % 2 == 1)
-            builds = [o] + [o._replace(steady_depth=d) for d in depths]
-            outs = _launch_each(x, weight, b, builds, workspace, sm_count)
-            for depth, out in zip(depths, outs[1:]):
-                _check(out, x, weight, b, f"steady_depth={depth} {n}x{k} M={m}")
-                assert torch.equal(outs[0], out), f"steady_depth={depth} {n}x{k} M={m}: differs from the plain build"
-            assert int(workspace.arrivals.abs().sum()) == 0
-
-
-@on_gpu
-@pytest.mark.parametrize("selector", ["timed", "signal"])
-def test_deep_ring_choice_both_paths_bitwise(selector):
-    """The filled ring asked for only while the previous launch still runs, launched CHAIN times as trace builds that
-    record how many weight blocks each CTA asked for before griddepcontrol.wait. "timed" (deep_while_waiting), back
-    to back (with PDL each launch may start while the one before still streams): with a threshold of 500 SM cycles
-    some CTA of each chain asks for the whole ring, with 10**8 (~50 ms) every CTA asks for the half ring's blocks
-    only (the spin ends when the wait returns). "signal" (deep_signal): back to back some CTA asks for the whole ring
-    (the previous launch's CTAs still count themselves in LIVE_WORD); in situ, a torch kernel between launches (so
-    the previous launch has ended), none does. Every count is one of the two depths, every y is bit for bit the
-    plain build's (the shipped half ring) and matches the float64 reference, poisoned with NaN before the chain, and
-    the workspace's counters, LIVE_WORD too, are zero after it: 4096x4096 and 4096x14336 at M=1, 16 and 32 (filled
-    rings of 12, 11 and 9 stages against 6, 6 and 5), bias at odd M. (The depth after the wait changes neither bits
-    nor counts: the CPU tests check the gate in the PTX.)"""
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    capacity = linear.cluster_capacity(0)
-    workspace = linear._workspace(0)
-    chain = 6
-    # (options, a torch kernel between launches, some CTA must ask for the whole ring)
-    cases = ([(dict(deep_while_waiting=500), False, True), (dict(deep_while_waiting=10**8), False, False)]
-             if selector == "timed" else [(dict(deep_signal=True), False, True), (dict(deep_signal=True), True, False)])
-    between = torch.zeros(1 << 20, device="cuda")
-    for n, k in [(4096, 4096), (4096, 14336)]:
-        for m in (1, 16, 32):
-            x, weight, b = _random(m, n, k, torch.bfloat16, m % 2 == 1)
-            plain = linear.options_for(linear.DEFAULT_OPTIONS, n, k, m, sm_count, capacity)
-            (reference,) = _launch_each(x, weight, b, [plain], workspace, sm_count)
-            _check(reference, x, weight, b, f"plain {n}x{k} M={m}")
-            weight_map = _weight_map(weight).ptr
-            for change, in_situ, deep in cases:
-                o = linear.options_for(linear.DEFAULT_OPTIONS._replace(trace=True, **change), n, k, m, sm_count,
-                                       capacity)
-                stages, half = linear.ring_stages(linear.m_pad(m), o), linear.ring_stages(
-                    linear.m_pad(m), o._replace(ring_fill=False))
-                assert o.ring_fill and o == o._replace(**change) and stages > half, (n, k, m)
-                compiled = linear.compile_kernel(DSL_DTYPES[x.dtype], linear.m_pad(m), b is not None, "", o)
-                num_ctas = linear.grid_size(n, k, sm_count, o)
-                blocks = -(-k // linear.TILE_K)
-                runs = {blocks // o.cluster_k, -(-blocks // o.cluster_k)}  # a cluster rank's run: either length
-                traces = torch.zeros(chain, num_ctas, len(linear.TRACE_FIELDS), dtype=torch.int64, device="cuda")
-                outs = [torch.full((m, n), math.nan, dtype=x.dtype, device="cuda") for _ in range(chain)]
-                for out, trace in zip(outs, traces):
-                    if in_situ:
-                        between.add_(1.0)
-                    compiled(x, weight, b, out, workspace.partials, workspace.arrivals, weight_map, num_ctas, trace)
-                torch.cuda.synchronize()
-                label = f"{change} {'in situ' if in_situ else 'back to back'} {n}x{k} M={m}"
-                for out in outs:
-                    _check(out, x, weight, b, label)
-                    assert torch.equal(out, reference), f"{label}: differs from the plain build"
-                pre = traces[..., linear.TRACE_FIELDS.index("pre_wait_loads")].cpu()
-                assert set(pre.flatten().tolist()) <= {min(d, r) for d in (half, stages) for r in runs}, label
-                if deep:
-                    assert int((pre > half).sum()) > 0, f"{label}: no CTA of the chain asked for the whole ring"
-                else:
-                    assert int((pre > half).sum()) == 0, f"{label}: a CTA asked for the whole ring"
-                assert int(workspace.arrivals.abs().sum()) == 0, f"{label}: counters (or LIVE_WORD) left non-zero"
 
 
 @on_gpu

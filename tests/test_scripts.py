@@ -81,3 +81,18 @@ def test_ncu_summary_of_the_first_eviction_run(capsys, ncu_linear):
     shipped = [line for line in lines if line.startswith("ours shipped")]
     assert len(shipped) == 6 and all("0.00-0.00 MB written" in line for line in shipped)
     assert sum(line.startswith("cublas 4096x4096 M=16 | ") for line in lines) == 2
+
+
+def test_ptx_hashes_tell_builds_apart(monkeypatch, capsys):
+    """docs/probes/ptx_hashes.py: one build compiled for M=1 and M=8 (both pad to 8) hashes the same, the shipped lead
+    of 3 loads against none at M=1 hashes differently."""
+    path = ROOT / "docs" / "probes" / "ptx_hashes.py"
+    argv = [str(path), "--variants", "shipped", "no-lead", "--shapes", "4096x4096", "--ms", "1", "8", "--bias", "0"]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    runpy.run_path(str(path), run_name="__main__")
+    lines = dict(line.rsplit(" ", 1) for line in capsys.readouterr().out.splitlines())
+    assert list(lines) == [f"{v} 4096x4096 M={m} bias=0" for v in ("shipped", "no-lead") for m in (1, 8)]
+    assert all(len(h) == 16 and int(h, 16) >= 0 for h in lines.values())
+    assert lines["shipped 4096x4096 M=1 bias=0"] == lines["shipped 4096x4096 M=8 bias=0"]
+    assert lines["shipped 4096x4096 M=1 bias=0"] != lines["no-lead 4096x4096 M=1 bias=0"]

@@ -1,34 +1,35 @@
-"""Which of the linear kernel's shipped builds does a change reach? One line per build: its shape, M, bias and a hash
+"""Which of the linear kernel's builds does a change reach? One line per build: its variant, shape, M, bias and a hash
 of its PTX (comment lines left out), compiled on the CPU for sm_90a (no GPU needed).
 
     CUTE_DSL_ARCH=sm_90a python docs/probes/ptx_hashes.py > after.txt
+    CUTE_DSL_ARCH=sm_90a python docs/probes/ptx_hashes.py --tree /tmp/before > before.txt  # a `git worktree` of the
+                                                                                        # commit before
+    CUTE_DSL_ARCH=sm_90a python docs/probes/ptx_hashes.py --variants shipped no-lead stream-k --shapes 4096x4096
 
-Run it on two trees (e.g. a `git worktree` of the commit before) and diff the outputs: the builds whose line differs
-are the ones the change compiles differently. Builds are linear.options_for(DEFAULT_OPTIONS, ...) resolved for an
-H200 (132 SMs and its cluster capacities), as the op picks them there.
+Diff two outputs: the builds whose line differs are the ones the change compiles differently. --tree imports
+torch_tma and benchmarks/sweep_linear.py from that checkout instead of this one (its compiled extension must be
+there, e.g. copied from this one's torch_tma/). Builds are linear.options_for(variant, ...) resolved for an H200 (132
+SMs and its cluster capacities), as the op picks them there; variants are sweep_linear.variants' names ("shipped":
+DEFAULT_OPTIONS). A build that the options refuse prints its error instead of a hash.
 """
 
+import argparse
 import hashlib
 import os
 import sys
 import tempfile
 
-import cutlass
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from torch_tma.kernels import linear  # noqa: E402
-
 H200 = (132, (132, 66, 39, 30, 22, 17, 15, 15))  # SMs and clusters of 1..8 CTAs that run at once (cluster_capacity)
-SHAPES = [(4096, 4096), (1024, 4096), (4096, 14336), (10240, 8192), (57344, 8192)]
+SHAPES = ["4096x4096", "1024x4096", "4096x14336", "10240x8192", "57344x8192"]
 MS = (1, 16, 32, 64)
 
 
-def ptx_hash(n: int, k: int, m: int, bias: bool) -> str:
-    """sha256 of the PTX of the default build for N x K at M rows, bf16, comment lines left out."""
-    options = linear.options_for(linear.DEFAULT_OPTIONS, n, k, m, *H200)
+def ptx_hash(linear, cutlass, options, n: int, k: int, m: int, bias: bool) -> str:
+    """sha256 of the PTX of options resolved for N x K at M rows, bf16, comment lines left out."""
+    resolved = linear.options_for(options, n, k, m, *H200)
     with tempfile.TemporaryDirectory() as dump:
         linear.compile_kernel.__wrapped__(cutlass.BFloat16, linear.m_pad(m), bias,
-                                          f"--keep-ptx --dump-dir={dump}", options)
+                                          f"--keep-ptx --dump-dir={dump}", resolved)
         (name,) = [f for f in os.listdir(dump) if f.endswith(".ptx")]
         with open(os.path.join(dump, name)) as f:
             code = "".join(line for line in f if not line.startswith("//"))
@@ -36,10 +37,30 @@ def ptx_hash(n: int, k: int, m: int, bias: bool) -> str:
 
 
 def main():
-    for n, k in SHAPES:
-        for m in MS:
-            for bias in (False, True):
-                print(f"{n}x{k} M={m} bias={int(bias)} {ptx_hash(n, k, m, bias)}", flush=True)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tree", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."),
+                        help="checkout whose torch_tma and benchmarks/sweep_linear.py are compiled (default: this one)")
+    parser.add_argument("--variants", nargs="+", default=["shipped"], help="sweep_linear variant names")
+    parser.add_argument("--shapes", nargs="+", default=SHAPES, help="N x K of the weight")
+    parser.add_argument("--ms", nargs="+", type=int, default=MS)
+    parser.add_argument("--bias", nargs="+", type=int, choices=(0, 1), default=(0, 1))
+    args = parser.parse_args()
+    sys.path[:0] = [args.tree, os.path.join(args.tree, "benchmarks")]
+    import cutlass
+    import sweep_linear
+    from torch_tma.kernels import linear
+
+    table = sweep_linear.variants(linear)
+    for name, o in sweep_linear.select_variants(parser, table, args.variants).items():
+        for shape in args.shapes:
+            n, k = (int(v) for v in shape.split("x"))
+            for m in args.ms:
+                for bias in args.bias:
+                    try:
+                        line = ptx_hash(linear, cutlass, o, n, k, m, bool(bias))
+                    except ValueError as error:
+                        line = f"refused: {error}"
+                    print(f"{name} {n}x{k} M={m} bias={bias} {line}", flush=True)
 
 
 if __name__ == "__main__":

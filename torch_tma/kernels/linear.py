@@ -59,7 +59,7 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import Float32, Int16, Int32, Int64
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
@@ -105,10 +105,7 @@ MAX_CLUSTER_K = 8  # most CTAs one row tile is split across in a cluster-split b
 # the half of the SM its ring leaves instead (KernelOptions.partials_beside, beside_small).
 OWN_PARTIAL_BYTES = 24 * 1024
 MAX_ROW_TILES = 1 << 16  # arrival counters per workspace: N up to 8,388,608 rows
-# deep_signal: after the row tiles' counters, the workspace's count of CTAs that have triggered the next launch and
-# not yet drained their ring (zero between launches, like the counters)
-LIVE_WORD = MAX_ROW_TILES
-ARRIVAL_WORDS = MAX_ROW_TILES + 1
+ARRIVAL_WORDS = MAX_ROW_TILES
 FIXUP_BARRIER = 1  # named barrier of the MMA threads (0 is __syncthreads)
 # KernelOptions.staged_store: y of a row tile staged in shared memory as m_pad rows of the tile's 128 outputs, each row
 # padded by 16 bytes, so that the 4 x rows one warp's writes touch at once start 8 banks apart (no bank conflicts)
@@ -128,7 +125,7 @@ TRACE_FIELDS = (
     "fixups",  # tiles this CTA summed as the last arriver (cluster split: 1 in a CTA that sums a share, every
     # CTA with cluster_scatter where the tile's outputs are more pieces than CTAs, else CTA 0)
     "sm",  # %smid of the SM the CTA ran on
-    "pre_wait_loads",  # weight blocks the TMA warp asked for before griddepcontrol.wait (deep_while_waiting)
+    "pre_wait_loads",  # weight blocks the TMA warp asked for before griddepcontrol.wait
     "clk_sent",  # thread 0: its cluster split's partial pieces sent to the other CTAs (0: no cluster split)
 )
 
@@ -221,11 +218,6 @@ class KernelOptions(NamedTuple):
         (docs/linear.md), back to back, 4096x4096 M=1 took 8.94 against 9.56 us and 6144x4096 M=1 13.62 against
         14.49 us; at M 32-64 it lost (6144x4096 M=32 14.85 against 14.68 us).
     trigger_lead_max_m_pad: the bound of trigger_lead's policy above, one of M_PADS.
-    trigger_point: where a load_trigger build triggers inside its run. "issue" (shipped): the TMA warp, as it issues
-        load run_end - 1 - trigger_lead (above). "landed": the MMA warps, once block run_end - 1 - trigger_lead has
-        landed in the ring (with trigger_lead 0: the run's last block; later than "issue" by the ring's depth), so the
-        next launch starts while this one's last stages are consumed and it sums its partials. Sweep run 24
-        (docs/linear.md): "landed" lost in 20 of 25 cells, 4096x4096 M=1 9.85 against 8.76 us back to back.
     cluster_scatter: in a cluster-split build, every CTA sums and stores a share of the row tile's outputs (a
         reduce-scatter) instead of CTA 0 receiving every partial and storing all of them: each CTA receives
         (cluster_k - 1) / cluster_k of a partial rather than CTA 0 cluster_k - 1 whole ones, and the sums and y
@@ -267,48 +259,6 @@ class KernelOptions(NamedTuple):
         (6144x4096 M=16 12.70 against 14.03 us) and lost all 12 in situ (4096x14336 M=16 33.60 against 30.90 us),
         for reasons not established (docs/linear.md).
     ring_fill_min_m_pad: the bound of ring_fill's policy above, one of M_PADS.
-    steady_depth: after the loads that go out before griddepcontrol.wait (weight_before_wait: up to the whole ring),
-        the TMA warp keeps at most this many stages issued and not yet released by the MMA warps instead of the ring's
-        depth: a filled ring's first request still overlaps the previous launch's tail, its steady state asks DRAM for
-        no more than a shallower ring would (0: the ring's depth; a ring of at most steady_depth stages is unchanged).
-        The MMA warps hold wgmma_in_flight stages (with 2, a stage is released once the next one's wgmma is issued),
-        so at least wgmma_in_flight (below it the two sides would wait on each other), and steady_depth -
-        wgmma_in_flight + 1 of them are loads ahead of the consumer. Measured, not shipped (0): sweep run 33
-        (docs/linear.md), every bound lost all 12 back-to-back cells to the shipped defaults ("steady4" on the shipped
-        rings: 4096x4096 M=64 11.11 against 10.27 us) and in situ 10 or 12 of 12; on the filled ring a bound of 6
-        took back part of its in-situ loss at 4096x14336 (M=1 31.07 against 32.66 us; shipped 29.98).
-    deep_while_waiting: a filled ring that asks for its depth only while the previous launch still runs, for launches
-        whose partials lie beside the ring below ring_fill_min_m_pad (options_for; 0: off). Such a build gets the
-        filled ring's shared memory; its TMA warp asks for the half ring's weight blocks (the ring without ring_fill)
-        before griddepcontrol.wait as shipped, then polls a shared-memory barrier that one MMA thread arrives on once
-        its own griddepcontrol.wait has returned. If the barrier is still open this many SM cycles (clock64) after the
-        TMA warp started, the CTA asks for the rest of the ring's weight blocks before the wait too and keeps the whole
-        ring's depth after it; otherwise it keeps at most the half ring's stages issued and not yet released (the gate
-        of steady_depth). The filled ring won back to back (the previous launch still streaming) and lost in situ
-        (sweep runs 32-33; trace run 19: in situ the wait returned 1.3-2.4 us after the CTA's start, back to back
-        3.0-7.5 us, on an H100), which this lets each CTA tell apart. Measured on an H100 (sweep runs 35-36), not
-        shipped: at 2,000-8,000 cycles it kept the half ring's in-situ times and took back only part of the filled
-        ring's back-to-back gain (geomean 1.120x at 2,000 against 1.116x shipped and 1.126x filled).
-    deep_signal: deep_while_waiting's filled ring, chosen by a signal from the previous launch instead of a timed
-        wait (options_for gives it the same launches; off: False). A CTA of a build whose trigger follows its weight
-        loads (run_trigger "issue") adds 1 to the workspace's LIVE_WORD as it triggers the next launch and takes
-        it off once its ring is drained, so the word counts the CTAs of launches on this workspace (this stream)
-        whose ring still streams. Below ring_fill_min_m_pad, a counting build whose filled ring is deeper than the
-        half gets that ring, and its TMA warp reads the word at its start: above 0, the previous launch still
-        streams (back to back) and the CTA asks for the whole ring before the wait; 0 (a kernel of another kind ran
-        between, in situ), the half ring. Builds that do not count keep the half ring and do not read. The word is
-        zero between launches; the signal only picks a depth, and a wrong pick (launches of one workspace on two
-        streams at once, or a CTA that starts so late that others of its own launch already count) costs time,
-        never a result. Measured on an H100 (sweep runs 37-39, trace runs 21-23; docs/linear.md), not shipped: it
-        picked right in both modes, but the read at the start holds the first weight load back ~0.25 us and the
-        deep CTAs still missed the filled ring's time: 1.110x back to back against 1.116x shipped (1.125x filled),
-        1.051x in situ against 1.058x (sweep run 38). Read after the half ring's loads instead, it came back 1-2.5 us
-        late, behind them.
-    pre_wait_blocks: with weight_before_wait, at most this many weight blocks go out before griddepcontrol.wait
-        (0: the whole ring); the rest of the ring fills after the wait. A deep ring asks DRAM for all its stages at
-        once and its first stage lands last (docs/linear.md, trace run 8); a smaller first request lands it sooner.
-        Sweep run 24, the deep ring at every shape with 4: it won 1024x4096 M=64 (7.12 against 8.63 us) and lost 21 of
-        25 cells; not shipped (0).
     exclusive_max_blocks: the bound of exclusive_trigger_grid's exception above, in 64-column weight blocks per CTA
         (0: none). Shipped at 100, deep_ring_blocks' value: the runs long enough for the deep ring at M=64.
     exclusive_sm: the launch asks for more than half an SM's shared memory (EXCLUSIVE_SMEM_BYTES) whatever its ring
@@ -338,23 +288,6 @@ class KernelOptions(NamedTuple):
         at once with one CTA per SM (cluster_capacity: clusters live inside one GPC, so an H200 places 30 clusters of
         4 that way, not 33). False keeps sm_count // row tiles: 32 row tiles then get clusters of 4, and 8 SMs run
         two CTAs.
-    x_multicast: a policy for builds of one CTA per row tile (cluster_k 1) and per SM (ctas_per_sm 1, and exclusive_sm
-        on a share of the SM): options_for() groups that many adjacent row tiles in one thread-block cluster
-        (x_cluster) where M pads to at least x_multicast_min_m_pad, the row tiles make whole clusters, every cluster
-        fits at once (cluster_capacity, where given) and, with x_shared, each CTA's share of an x block keeps whole
-        8-row swizzle atoms (m_pad / x_multicast >= 8); 0 or 1: never (x_cluster_for). Every CTA of such a launch reads the same x block at each step, so
-        each loads 1 / x_cluster of it and multicasts it to the whole cluster: x leaves L2 once per cluster instead of
-        once per CTA (at M=64, x is half as many bytes as the weight per CTA). Measured, not shipped (0): sweep run 29
-        (docs/linear.md), 10240x8192 M=64 46.74 (2) and 51.23 us (4) against 44.84 us back to back, 44.33 and 43.88
-        against 45.88 us in situ; it lost at M=32 both ways.
-    x_multicast_min_m_pad: the bound of x_multicast's policy above, one of M_PADS.
-    x_cluster: CTAs (adjacent row tiles) per cluster of such a build, 0 or 1 for none. Static: set by options_for().
-        With x_shared, a stage is free only once every CTA of the cluster has consumed it (each consumer warp releases
-        it on every CTA's barrier), since every CTA writes its share of x into all of them.
-    x_shared: the CTAs of an x_cluster build share their x loads by multicast (above); False: each loads all of x
-        itself and the cluster only places its CTAs (the GPU runs a cluster inside one GPC). Sweep run 31: placement
-        alone took 10240x8192 M=64 to 45.34 (2) and 45.65 us (4) against 46.48 in situ and 46.72 and 50.29 against
-        44.34 back to back; 80 CTAs in clusters of 4 still crowded some GPCs (docs/linear.md).
     deep_ring_blocks: the deep-ring policy: options_for() gives a build of the largest m_pad (64) whose CTAs each stream
         at least this many 64-column weight blocks the whole SM's shared memory for the ring (smem_share=1) and a
         second stage's wgmma in flight (wgmma_in_flight=2), where that leaves the launch's decomposition (cluster_k
@@ -418,27 +351,18 @@ class KernelOptions(NamedTuple):
     exclusive_max_blocks: int = 0
     trigger_lead: int = 0
     trigger_lead_max_m_pad: int = M_PADS[-1]
-    trigger_point: str = "issue"
-    pre_wait_blocks: int = 0
     cluster_scatter: bool = False
     own_partial_bytes: int = OWN_PARTIAL_BYTES
     partials_beside: bool = False
     beside_small: bool = False
     ring_fill: bool = False
     ring_fill_min_m_pad: int = M_PADS[0]
-    steady_depth: int = 0
-    deep_while_waiting: int = 0
-    deep_signal: bool = False
     exclusive_sm: bool = False
     cluster_split: int = 0
     cluster_k: int = 0
     cluster_max_k: int = MAX_CLUSTER_K
     cluster_max_m_pad: int = M_PADS[-1]
     cluster_fit: bool = False
-    x_multicast: int = 0
-    x_multicast_min_m_pad: int = M_PADS[-1]
-    x_cluster: int = 0
-    x_shared: bool = True
     wgmma_in_flight: int = 1
     consumer_warpgroups: int = 1
     deep_ring_blocks: int = 0
@@ -452,16 +376,10 @@ class KernelOptions(NamedTuple):
     trace: bool = False
 
     @property
-    def run_trigger(self) -> str:
-        """Where a CTA triggers the dependent launch inside its run: trigger_point for a load_trigger build, "" for
-        one that triggers at its start or at exit."""
-        return self.trigger_point if self.pdl and self.load_trigger and not self.early_trigger else ""
-
-    @property
-    def counts_live(self) -> bool:
-        """deep_signal on a build whose trigger follows its weight loads: its CTAs count themselves in LIVE_WORD, and
-        only such a build may choose its depth from it."""
-        return self.deep_signal and self.run_trigger == "issue"
+    def trigger_in_run(self) -> bool:
+        """The TMA warp triggers the dependent launch inside the CTA's run, as it issues a weight load (load_trigger,
+        trigger_lead), rather than the CTA at its start or at exit."""
+        return self.pdl and self.load_trigger and not self.early_trigger
 
     @property
     def mma_threads(self) -> int:
@@ -520,26 +438,9 @@ class KernelOptions(NamedTuple):
         if self.trigger_lead < 0 or self.trigger_lead_max_m_pad not in M_PADS:
             raise ValueError(f"KernelOptions.trigger_lead must be >= 0 and trigger_lead_max_m_pad one of {M_PADS}, got "
                              f"{self.trigger_lead!r}, {self.trigger_lead_max_m_pad!r}")
-        if self.trigger_point not in ("issue", "landed"):
-            raise ValueError(f"KernelOptions.trigger_point must be 'issue' or 'landed', got {self.trigger_point!r}")
         if self.ring_fill_min_m_pad not in M_PADS:
             raise ValueError(f"KernelOptions.ring_fill_min_m_pad must be one of {M_PADS}, got "
                              f"{self.ring_fill_min_m_pad!r}")
-        if self.steady_depth < 0 or 0 < self.steady_depth < self.wgmma_in_flight:
-            raise ValueError(f"KernelOptions.steady_depth must be 0 or at least wgmma_in_flight "
-                             f"({self.wgmma_in_flight}: the stages the MMA warps hold), got {self.steady_depth!r}")
-        if self.pre_wait_blocks < 0:
-            raise ValueError(f"KernelOptions.pre_wait_blocks must be >= 0, got {self.pre_wait_blocks!r}")
-        if self.deep_while_waiting < 0:
-            raise ValueError(f"KernelOptions.deep_while_waiting must be >= 0, got {self.deep_while_waiting!r}")
-        if self.deep_while_waiting and (not self.weight_before_wait or self.pre_wait_blocks or self.steady_depth):
-            raise ValueError("KernelOptions.deep_while_waiting needs weight_before_wait (and pdl) and sets the loads "
-                             "before the wait and the depth after it: pre_wait_blocks and steady_depth must be 0")
-        if self.deep_signal and (not self.weight_before_wait or self.pre_wait_blocks or self.steady_depth
-                                 or self.deep_while_waiting):
-            raise ValueError("KernelOptions.deep_signal needs weight_before_wait (and pdl) and sets the loads before "
-                             "the wait and the depth after it: pre_wait_blocks, steady_depth and deep_while_waiting "
-                             "must be 0")
         if self.own_partial_bytes < 0:
             raise ValueError(f"KernelOptions.own_partial_bytes must be >= 0, got {self.own_partial_bytes!r}")
         if self.exclusive_max_blocks < 0:
@@ -556,15 +457,6 @@ class KernelOptions(NamedTuple):
         if self.cluster_fit and self.cluster_split == 2:
             raise ValueError("KernelOptions.cluster_fit counts clusters at one CTA per SM: it cannot go with "
                              "cluster_split=2")
-        if self.x_multicast not in (0, 1, 2, 4) or self.x_cluster not in (0, 1, 2, 4) or (
-                self.x_multicast_min_m_pad not in M_PADS):
-            raise ValueError(f"KernelOptions.x_multicast and x_cluster must be 0, 1, 2 or 4 and x_multicast_min_m_pad "
-                             f"one of {M_PADS}, got {self.x_multicast!r}, {self.x_cluster!r}, "
-                             f"{self.x_multicast_min_m_pad!r}")
-        if self.x_cluster > 1 and (self.cluster_k != 1 or self.ctas_per_sm != 1):
-            raise ValueError(f"KernelOptions.x_cluster={self.x_cluster} needs a build of one CTA per row tile "
-                             f"(cluster_k=1, ctas_per_sm=1), got cluster_k={self.cluster_k!r}, "
-                             f"ctas_per_sm={self.ctas_per_sm!r}")
         if not 1 <= self.cluster_max_k <= MAX_CLUSTER_K or self.cluster_max_m_pad not in M_PADS:
             raise ValueError(f"KernelOptions.cluster_max_k must be 1..{MAX_CLUSTER_K} and cluster_max_m_pad one of "
                              f"{M_PADS}, got {self.cluster_max_k!r}, {self.cluster_max_m_pad!r}")
@@ -652,7 +544,9 @@ class KernelOptions(NamedTuple):
 # the partials beside it leave (ring_fill) won 7 of the 8 M=64 cells, back to back and in situ (it lost 1024x4096 in situ
 # by 0.07 us), and lost every in-situ cell at M <= 32, so it ships for m_pad 64 (ring_fill_min_m_pad). Measured and not shipped, sweep runs 28-31 (docs/linear.md): stream-K at
 # every shape (its fix-up cost 4-5 us at 10240x8192 M=64), x multicast and cluster placement for one-CTA-per-tile
-# launches (x_multicast, x_shared), a second wgmma on the half ring and leads of 2 and 5 loads.
+# launches, a second wgmma on the half ring and leads of 2 and 5 loads. Options measured and not shipped that only
+# those sweeps used (x multicast, a bounded steady depth, a deep ring chosen per CTA, a smaller first request, the
+# trigger from the MMA warps) were taken out of the kernel in stop 35; the code that ran them is commit 2dc719b.
 # Trace runs 24-25 and sweep runs 40-41 (an H100; docs/results/trace-linear-h100-run2{4,5}.*,
 # sweep-linear-h100-run4{0,1}.*): one-CTA-per-tile builds storing y through shared memory in 16-byte runs
 # (staged_store) took 10240x8192 M=64's tail from 1.14 to 0.69 us and gained up to 1.7 % at M 32-64 on 28672x4096 and
@@ -965,9 +859,7 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
     one CTA per SM takes its SMs alone (exclusive_sm); at M_PADS[-1], the
     deep ring with two wgmma in flight where each CTA streams at least options.deep_ring_blocks blocks and the
     decomposition stays the same; ring_fill only where the partials lie beside the ring and M pads to at least
-    ring_fill_min_m_pad, or below it with deep_while_waiting or deep_signal where the filled ring is deeper than the
-    half, for deep_signal only on builds that count (run_trigger "issue"; deep_while_waiting 0 everywhere else,
-    deep_signal stays on, for the launches to count); and x_cluster from the x_multicast policy (x_cluster_for).
+    ring_fill_min_m_pad.
     capacity: the GPU's cluster_capacity, needed when options.cluster_fit.
 
     Why not early: with the trigger at CTA start, the next launch's CTAs take the second slot of SMs this launch
@@ -985,31 +877,9 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
         resolved = resolved._replace(trigger_lead=0)  # one build where the lead cannot apply
     if not partials_beside_ring(m_pad(M), resolved):
         resolved = resolved._replace(partials_beside=False)  # likewise
-    fill = resolved.ring_fill and resolved.partials_beside
-    choose = fill and m_pad(M) < options.ring_fill_min_m_pad and ring_stages(m_pad(M), resolved) > ring_stages(
-        m_pad(M), resolved._replace(ring_fill=False))  # a filled ring deeper than the half, for each CTA to choose
-    if not choose:
-        resolved = resolved._replace(deep_while_waiting=0)  # the whole ring or none, or one no deeper than the half
-    # deep_signal stays on every build, for the launches to count; only counting builds choose
-    if not fill or m_pad(M) < options.ring_fill_min_m_pad and not (
-            choose and (resolved.deep_while_waiting or resolved.counts_live)):
+    if not resolved.partials_beside or m_pad(M) < options.ring_fill_min_m_pad:
         resolved = resolved._replace(ring_fill=False)  # likewise
-    return resolved._replace(x_cluster=x_cluster_for(N, m_pad(M), resolved, capacity))
-
-
-def x_cluster_for(N: int, m_pad_: int, options: "KernelOptions", capacity: tuple[int, ...] = ()) -> int:
-    """Row tiles per cluster whose CTAs share their x loads by multicast (KernelOptions.x_multicast), or 0: a build of
-    one CTA per row tile and per SM (cluster_k 1, the grid within the SMs), M padded to at least x_multicast_min_m_pad,
-    a whole number of clusters that all run at once (given capacity, cluster_capacity) and, with x_shared, a share of
-    each x block of whole 8-row swizzle atoms."""
-    c, tiles = options.x_multicast, -(-N // TILE_N)
-    if (c < 2 or options.cluster_k != 1 or options.ctas_per_sm != 1 or options.smem_slots > 1 and not
-            options.exclusive_sm or m_pad_ < options.x_multicast_min_m_pad or options.x_shared and m_pad_ // c < 8
-            or tiles % c):
-        return 0
-    if capacity and capacity[c - 1] < tiles // c:
-        return 0
-    return c
+    return resolved
 
 
 def _split_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
@@ -1048,14 +918,11 @@ def _blocks_per_cta(N: int, K: int, sm_count: int, options: "KernelOptions") -> 
 
 def grid_size(N: int, K: int, sm_count: int, options: "KernelOptions") -> int:
     """CTAs of one launch: stream-K, ctas_per_sm per SM (one wave), never more than there are weight blocks;
-    cluster split (options.cluster_k), cluster_k per row tile; with x_cluster, whole clusters of that many row tiles
-    (options_for only picks x_cluster where the tiles make whole clusters; a build given one by hand may have CTAs past
-    the last row tile, whose weight loads are zeros and which store nothing, but which still load their share of x)."""
+    cluster split (options.cluster_k), cluster_k per row tile."""
     if options.cluster_k:
         if options.cluster_k > -(-K // TILE_K):
             raise ValueError(f"grid_size: cluster_k={options.cluster_k} is more CTAs than K={K} has 64-column blocks")
-        tiles, per_cluster = -(-N // TILE_N), max(1, options.x_cluster)
-        return -(-tiles // per_cluster) * per_cluster * options.cluster_k
+        return -(-N // TILE_N) * options.cluster_k
     return min(sm_count * options.ctas_per_sm, _iteration_count(N, K))
 
 
@@ -1076,7 +943,7 @@ class WeightStreamingLinear:
     contiguous (only its shape and the TMA atom come from it: the bytes are loaded through the
     descriptor at weight_map); bias [N] or None; out [M, N] unit column stride; partials fp32 with at
     least num_ctas * 2 * m_pad * 128 elements; arrivals int32 [ARRIVAL_WORDS] (ceil(N / 128) row tiles'
-    counters, LIVE_WORD last for deep_signal), all zero on entry and left all zero on exit.
+    counters), all zero on entry and left all zero on exit.
     """
 
     def __init__(
@@ -1097,21 +964,8 @@ class WeightStreamingLinear:
         # member cannot be empty)
         self.cluster_elems = (options.cluster_k - 1) * self.partial_elems if options.cluster_k > 1 else 4
         self.beside = partials_beside_ring(m_pad_, options)
-        self.x_cluster = max(1, options.x_cluster)  # CTAs (row tiles) per cluster of a one-CTA-per-tile build
-        self.x_mcast = self.x_cluster if options.x_shared else 1  # CTAs that share each x block (1: none)
-        if m_pad_ // self.x_mcast < 8:
-            raise ValueError(f"WeightStreamingLinear: x_cluster={self.x_cluster} cuts an x block of {m_pad_} rows into "
-                             f"shares of fewer than 8 rows (one 128B swizzle atom)")
         self.in_ring = (options.cluster_k > 1 and not self.beside
                         and partials_in_ring(m_pad_, options.cluster_k, options.own_partial_bytes))
-        # deep_while_waiting, deep_signal: the half ring's depth, which a CTA keeps unless the previous launch still
-        # runs (timed: told by how long the wait lasts; else by the workspace's LIVE_WORD)
-        self.half = min(stages, ring_stages(m_pad_, options._replace(ring_fill=False)))
-        self.timed = options.deep_while_waiting > 0 and options.ring_fill and self.half < stages
-        self.waiting = self.timed or (options.deep_signal and options.ring_fill and self.half < stages
-                                      and m_pad_ < options.ring_fill_min_m_pad)
-        # deep_signal: this build's CTAs count themselves in LIVE_WORD from their trigger until their ring is drained
-        self.signal = options.counts_live
         if self.in_ring and self.cluster_elems * 4 > _weight_ring_bytes(stages):
             raise ValueError(f"WeightStreamingLinear: {self.cluster_elems * 4} bytes of partials do not fit in a ring "
                              f"of {stages} stages")
@@ -1148,10 +1002,8 @@ class WeightStreamingLinear:
         w_atom, w_coords = cpasync.make_tiled_tma_atom(
             load_op, weight, cute.slice_(w_smem, (None, None, 0)), (TILE_N, TILE_K)
         )
-        # x_shared: each CTA of an x_cluster loads 1 / x_cluster of every x block and multicasts it to all of them
         x_atom, x_coords = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SMulticastOp() if self.x_mcast > 1 else load_op, x,
-            cute.slice_(x_smem, (None, None, 0)), (self.m_pad, TILE_K), num_multicast=self.x_mcast,
+            load_op, x, cute.slice_(x_smem, (None, None, 0)), (self.m_pad, TILE_K)
         )
 
         cluster_k = self.options.cluster_k
@@ -1166,7 +1018,6 @@ class WeightStreamingLinear:
                                                 16]
             cluster_barrier: cute.struct.MemRange[Int64, 1]
             drained_barrier: cute.struct.MemRange[Int64, 1]
-            waited_barrier: cute.struct.MemRange[Int64, 1]  # deep_while_waiting: an MMA thread's wait has returned
 
         self.shared_storage = SharedStorage
         # exclusive_sm: ask for more than the ring uses, so that no second CTA fits on the SM
@@ -1176,11 +1027,10 @@ class WeightStreamingLinear:
             trace,
         )
         if cutlass.const_expr(cluster_k):
-            # one cluster per row tile (cluster_k CTAs) or per x_cluster row tiles (one CTA each)
-            clusters = cute.ceil_div(cute.ceil_div(weight.shape[0], TILE_N), self.x_cluster)
-            kernel.launch(grid=[cluster_k * self.x_cluster, clusters, 1], block=[self.options.threads, 1, 1],
-                          cluster=[cluster_k * self.x_cluster, 1, 1], stream=stream, use_pdl=self.options.pdl,
-                          smem=smem)
+            # one cluster of cluster_k CTAs per row tile
+            tiles = cute.ceil_div(weight.shape[0], TILE_N)
+            kernel.launch(grid=[cluster_k, tiles, 1], block=[self.options.threads, 1, 1], cluster=[cluster_k, 1, 1],
+                          stream=stream, use_pdl=self.options.pdl, smem=smem)
         else:
             kernel.launch(grid=[num_ctas, 1, 1], block=[self.options.threads, 1, 1], stream=stream,
                           use_pdl=self.options.pdl, smem=smem)
@@ -1207,12 +1057,9 @@ class WeightStreamingLinear:
         cta, cluster_tile, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
         cluster_k = self.options.cluster_k
-        x_rank = 0  # the CTA's share of each x block (x_shared)
         if cutlass.const_expr(cluster_k):
             rank = cta  # grid x is the CTA's rank in its cluster, grid y the cluster
-            cta = cluster_tile * cluster_k * self.x_cluster + rank
-            if cutlass.const_expr(self.x_mcast > 1):
-                x_rank = rank
+            cta = cluster_tile * cluster_k + rank
         if cutlass.const_expr(self.options.trace):
             if tidx == 0:
                 trace[cta, 0] = cute.arch.globaltimer()
@@ -1233,25 +1080,14 @@ class WeightStreamingLinear:
         stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(w_smem, (None, None, 0))) + cute.size_in_bytes(
             self.dtype, cute.slice_(x_smem, (None, None, 0))
         )
-        # consumer_release arrives once per MMA warp (lane 0). With x_shared, every CTA of the cluster writes its share
-        # of x into each CTA's stage: a stage's empty barrier counts one release per MMA warp of every CTA (lanes
-        # 0..x_cluster-1 arrive remotely; the pipeline works the count out from the MMA threads), and the cluster syncs
-        # once here, before any CTA's multicast can reach another's barriers
-        multicast = self.x_mcast > 1
-        if cutlass.const_expr(self.timed):
-            if tidx == 0:  # ordered before the TMA warp's polls by the pipeline's sync below
-                cute.arch.mbarrier_init(storage.waited_barrier.data_ptr(), 1)
-                cute.arch.mbarrier_init_fence()
         loads = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.stage_barriers.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.mma_threads if multicast else self.mma_threads // 32),
+            # consumer_release arrives once per MMA warp (lane 0)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
             tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, self.x_mcast, 1, 1)),
-            mcast_mode_mn=(0, 1) if multicast else (1, 1),
-            enable_multicast_signaling=multicast,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
         w_tiles = storage.w_tiles.get_tensor(w_smem.outer, swizzle=w_smem.inner)
         x_tiles = storage.x_tiles.get_tensor(x_smem.outer, swizzle=x_smem.inner)
@@ -1260,10 +1096,7 @@ class WeightStreamingLinear:
         total = cute.ceil_div(w_coords.shape[0], TILE_N) * k_blocks
         run_begin = cta * total // num_ctas
         run_end = (cta + 1) * total // num_ctas
-        if cutlass.const_expr(self.x_cluster > 1):
-            run_begin = cta * k_blocks  # row tile cta, all of its K
-            run_end = run_begin + k_blocks
-        elif cutlass.const_expr(cluster_k):
+        if cutlass.const_expr(cluster_k):
             run_begin = cluster_tile * k_blocks + rank * k_blocks // cluster_k
             run_end = cluster_tile * k_blocks + (rank + 1) * k_blocks // cluster_k
         if cutlass.const_expr(self.in_ring):
@@ -1312,14 +1145,11 @@ class WeightStreamingLinear:
         if warp_idx == self.options.producer_warp:
             self.load_run(
                 w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
-                trace, cta, tidx, x_rank, storage.waited_barrier.data_ptr(), arrivals,
+                trace, cta, tidx,
             )
         if warp_idx < self.options.producer_warp:
             if cutlass.const_expr(self.options.pdl):
                 cute.arch.griddepcontrol_wait()  # out, partials and arrivals may still be in the previous grid's use
-                if cutlass.const_expr(self.timed):
-                    if tidx == 0:
-                        cute.arch.mbarrier_arrive(storage.waited_barrier.data_ptr())  # the TMA warp polls it
             # staged_store: y's staging area, the drained ring
             stage = cute.make_tensor(storage.w_tiles.data_ptr(), cute.make_layout(self.m_pad * STAGE_PITCH))
             self.mma_run(
@@ -1336,21 +1166,9 @@ class WeightStreamingLinear:
     @cute.jit
     def load_run(
         self, w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
-        trace, cta, tidx, x_rank, waited, arrivals,
+        trace, cta, tidx,
     ):
-        """Warp 4: TMA-load weight block (tile, kb) and x block kb for every iteration of this CTA's run (with
-        x_shared, its share x_rank of x block kb, multicast to the cluster). waited: the barrier an MMA thread arrives
-        on once its griddepcontrol.wait has returned (deep_while_waiting builds); arrivals: the workspace's counters,
-        LIVE_WORD last (deep_signal)."""
-        start = cute.arch.clock64() if cutlass.const_expr(self.timed) else Int64(0)
-        lane0 = tidx == self.options.producer_warp * 32
-        live_word = arrivals.iterator + LIVE_WORD
-        live = Int32(0)
-        if cutlass.const_expr(self.waiting and not self.timed):
-            # read by every lane (one request) before any weight load; it holds the first load back by ~0.25 us
-            # (trace runs 21-22; an atomic in lane 0 alike). Read after the half ring's loads instead, it came back
-            # 1-2.5 us later, behind them, and fewer CTAs went deep back to back (trace run 23)
-            live = cute.arch.load(live_word, Int32, sem="relaxed", scope="gpu")
+        """Warp 4: TMA-load weight block (tile, kb) and x block kb for every iteration of this CTA's run."""
         # outside the elected copy branches, with the acquire fence; None: the atom's own descriptor (a kernel parameter)
         weight_map_ptr = (tma_desc_ptr(weight_map, scope=self.options.fence_scope)
                           if cutlass.const_expr(self.options.weight_descriptor == "cache") else None)
@@ -1366,34 +1184,14 @@ class WeightStreamingLinear:
         col = (run_begin - tile * k_blocks) * TILE_K
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         first = run_begin  # first iteration that loads weight and x together
-        deep = Int32(0)  # deep_while_waiting: 1 where this CTA asked for the whole ring before the wait
         if cutlass.const_expr(self.options.weight_before_wait):
             # The weight blocks of the first ring's worth of iterations go out before the wait, their x
             # blocks after it: both land on the stage's barrier, which expects their sum.
-            pre_wait = min(self.stages, self.options.pre_wait_blocks) if self.options.pre_wait_blocks else self.stages
-            if cutlass.const_expr(self.waiting):
-                pre_wait = self.half
-            first = cutlass.min(run_end, run_begin + pre_wait)
+            first = cutlass.min(run_end, run_begin + self.stages)
             x_col = col
             for _ in cutlass.range(run_begin, first, unroll=1):
                 row, state, col = self._weight_load(w_atom, w_coords, w_dst, loads, state, row, col, k_blocks,
                                                     weight_map_ptr, w_policy, trace, cta, tidx)
-            if cutlass.const_expr(self.waiting):
-                # the previous launch still runs: the rest of the ring's weight blocks too (none if deep is 0; no
-                # poll where the run has none left)
-                rest = cutlass.min(run_end, run_begin + self.stages)
-                if cutlass.const_expr(self.timed):
-                    if first < rest:
-                        deep = self._still_waiting(waited, start)
-                else:
-                    live = cute.arch.shuffle_sync(live, 0)  # lane 0's answer: one decision for the warp
-                    if live > 0:
-                        deep = Int32(1)
-                ring_end = first + deep * (rest - first)
-                for _ in cutlass.range(first, ring_end, unroll=1):
-                    row, state, col = self._weight_load(w_atom, w_coords, w_dst, loads, state, row, col, k_blocks,
-                                                        weight_map_ptr, w_policy, trace, cta, tidx)
-                first = ring_end
             if cutlass.const_expr(self.options.trace):
                 if tidx == self.options.producer_warp * 32:
                     trace[cta, 11] = Int64(first - run_begin)
@@ -1403,9 +1201,9 @@ class WeightStreamingLinear:
                     trace[cta, 4] = cute.arch.clock64()
             x_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             for _ in cutlass.range(run_begin, first, unroll=1):
-                x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, x_col, self.m_pad, x_rank, self.x_mcast)
-                self._x_copy(x_atom, x_src, x_smem_dst[(None, x_state.index)], loads.producer_get_barrier(x_state),
-                             x_policy)
+                x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, x_col, self.m_pad)
+                cute.copy(x_atom, x_src, x_smem_dst[(None, x_state.index)],
+                          tma_bar_ptr=loads.producer_get_barrier(x_state), cache_policy=x_policy)
                 x_state.advance()
                 x_col = x_col + TILE_K
                 if x_col == k_blocks * TILE_K:
@@ -1416,33 +1214,16 @@ class WeightStreamingLinear:
             if tidx == self.options.producer_warp * 32:
                 trace[cta, 4] = cute.arch.clock64()
         # the trigger after the last weight load (load_trigger), and trigger_lead loads before it
-        after_load = self.options.run_trigger == "issue"
+        after_load = self.options.trigger_in_run
         trigger_at = run_end - 1 - self.options.trigger_lead
-        # steady_depth: before load g, wait until load g - steady_depth has been released, i.e. for the slot that load
-        # g - steady_depth + stages would acquire. gate runs stages - steady_depth loads ahead of state; in its first
-        # lap (loads the ring has not held yet) its waits pass at once.
-        # deep_while_waiting: a CTA that did not ask for the whole ring keeps the half ring's depth (the same gate).
-        gated = 0 < self.options.steady_depth < self.stages
-        gate = state.clone()
-        if cutlass.const_expr(gated):
-            gate.advance(self.stages - self.options.steady_depth)
-        elif cutlass.const_expr(self.waiting):
-            gate.advance(self.stages - self.half)
         for i in cutlass.range(first, run_end, unroll=1):
             w_smem_dst, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
-            x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, col, self.m_pad, x_rank, self.x_mcast)
-            if cutlass.const_expr(gated):
-                loads.sync_object_empty.wait(gate.index, gate.phase)
-                gate.advance()
-            elif cutlass.const_expr(self.waiting):
-                if deep == 0:
-                    loads.sync_object_empty.wait(gate.index, gate.phase)
-                    gate.advance()
+            x_smem_dst, x_src = self._block(x_atom, x_coords, x_dst, 0, col, self.m_pad)
             loads.producer_acquire(state)  # waits for the slot, then expects stage_bytes on its barrier
             barrier = loads.producer_get_barrier(state)
             cute.copy(w_atom, w_src, w_smem_dst[(None, state.index)], tma_bar_ptr=barrier, tma_desc_ptr=weight_map_ptr,
                       cache_policy=w_policy)
-            self._x_copy(x_atom, x_src, x_smem_dst[(None, state.index)], barrier, x_policy)
+            cute.copy(x_atom, x_src, x_smem_dst[(None, state.index)], tma_bar_ptr=barrier, cache_policy=x_policy)
             state.advance()
             if cutlass.const_expr(self.options.trace and not self.options.weight_before_wait):
                 if tidx == self.options.producer_warp * 32 and state.count == 1:
@@ -1453,21 +1234,11 @@ class WeightStreamingLinear:
                 row = row + TILE_N
             if cutlass.const_expr(after_load and self.options.trigger_lead > 0):
                 if i == trigger_at:
-                    if cutlass.const_expr(self.signal):
-                        self._count_live(live_word, lane0, 1)
                     cute.arch.griddepcontrol_launch_dependents()  # trigger_lead loads before the last
         if cutlass.const_expr(after_load):
-            if cutlass.const_expr(self.signal):
-                if cutlass.const_expr(self.options.trigger_lead > 0):
-                    if trigger_at < first:  # the loop above had no trigger_lead load: counted here instead
-                        self._count_live(live_word, lane0, 1)
-                else:
-                    self._count_live(live_word, lane0, 1)
             # every weight load of this CTA is issued (a no-op where the trigger_lead one went out: once per CTA)
             cute.arch.griddepcontrol_launch_dependents()
         loads.producer_tail(state)
-        if cutlass.const_expr(self.signal):
-            self._count_live(live_word, lane0, -1)  # the ring is drained: no longer a launch that streams
 
     @cute.jit
     def _weight_load(self, w_atom, w_coords, w_dst, loads, state, row, col, k_blocks, weight_map_ptr, w_policy, trace,
@@ -1491,42 +1262,11 @@ class WeightStreamingLinear:
         row = row + wrapped * TILE_N
         return row, state, col
 
-    @cute.jit
-    def _count_live(self, live_word, lane0, delta):
-        """deep_signal: lane 0 adds delta to the workspace's LIVE_WORD (relaxed: the word only picks a depth)."""
-        if lane0:
-            cute.arch.atomic_add(live_word, Int32(delta), sem="relaxed", scope="gpu")
-
-    @cute.jit
-    def _still_waiting(self, waited, start):
-        """deep_while_waiting: 1 if the barrier `waited` (an MMA thread's griddepcontrol.wait has returned) is still
-        open deep_while_waiting SM cycles after `start`, 0 as soon as it completes before then; lane 0 decides for
-        the warp."""
-        deep = Int32(0)
-        spinning = Int32(1)
-        while spinning == 1:
-            if cute.arch.mbarrier_test_wait(waited, 0):
-                spinning = Int32(0)
-            elif cute.arch.clock64() - start >= self.options.deep_while_waiting:
-                spinning = Int32(0)
-                deep = Int32(1)
-        return cute.arch.shuffle_sync(deep, 0)  # lane 0's answer in every lane: one decision for the warp
-
     @staticmethod
-    def _block(atom, coords, smem, row, col, rows, rank=0, ctas=1):
-        """(smem destination per stage, global source) of the rows x TILE_K block at element (row, col); with ctas
-        > 1, the share of CTA `rank` of a multicast atom's block (the rows cut in ctas equal runs)."""
+    def _block(atom, coords, smem, row, col, rows):
+        """(smem destination per stage, global source) of the rows x TILE_K block at element (row, col)."""
         block = cute.local_tile(cute.domain_offset((row, col), coords), (rows, TILE_K), (0, 0))
-        return cpasync.tma_partition(atom, rank, cute.make_layout(ctas), smem, cute.group_modes(block, 0, 2))
-
-    @cute.jit
-    def _x_copy(self, x_atom, src, dst, barrier, policy):
-        """One x load: this CTA's share multicast to every CTA of its cluster with x_shared, else the whole block."""
-        if cutlass.const_expr(self.x_mcast > 1):
-            cute.copy(x_atom, src, dst, tma_bar_ptr=barrier, mcast_mask=Int16((1 << self.x_mcast) - 1),
-                      cache_policy=policy)
-        else:
-            cute.copy(x_atom, src, dst, tma_bar_ptr=barrier, cache_policy=policy)
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1), smem, cute.group_modes(block, 0, 2))
 
     @cute.jit
     def mma_run(
@@ -1553,9 +1293,6 @@ class WeightStreamingLinear:
             acc.fill(0.0)
             for i in cutlass.range(it, seg_end, unroll=1):
                 loads.consumer_wait(state)
-                if cutlass.const_expr(self.options.run_trigger == "landed"):
-                    if i == run_end - 1 - self.options.trigger_lead:
-                        cute.arch.griddepcontrol_launch_dependents()  # that block has landed (once per CTA)
                 if cutlass.const_expr(self.options.trace):
                     if tidx == 0 and state.count == 0:
                         trace[cta, 5] = cute.arch.clock64()
@@ -1897,7 +1634,7 @@ def compile_kernel(
 
 class _Workspace(NamedTuple):
     partials: torch.Tensor  # fp32 [sm_count * 2 * max(M_PADS) * TILE_N]: two partial tiles per CTA
-    arrivals: torch.Tensor  # int32 [ARRIVAL_WORDS]: blocks counted per row tile, then LIVE_WORD; zero between launches
+    arrivals: torch.Tensor  # int32 [ARRIVAL_WORDS]: blocks counted per row tile; zero between launches
 
 
 _workspaces: dict[tuple[int, int], _Workspace] = {}
