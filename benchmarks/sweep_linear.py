@@ -30,8 +30,7 @@ and two wgmma in flight; "fill": launches with their partials beside the ring gi
 it all the shared memory the partials leave at every M (KernelOptions.ring_fill; shipped: for m_pad 64, M 33-64);
 "no-fill": at no M, as before sweep run 32; "direct": builds of one CTA
 per row tile store y one output at a time, as before sweep run 41 (shipped since: through shared memory in coalesced
-16-byte runs, KernelOptions.staged_store); "by-rows": cluster builds whose K blocks do not divide by the CTAs per tile
-stream equal runs and share the remainder blocks by rows (KernelOptions.remainder_by_rows); "two-wg": two consumer
+16-byte runs, KernelOptions.staged_store); "two-wg": two consumer
 warpgroups of 64 weight rows each; "two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier
 runs also swept the weight loaded without the L2 evict-first hint, the release form of the cluster barrier's entry
 arrive, the descriptor prefetch, the TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters
@@ -117,9 +116,6 @@ def variants(linear):
         # one-CTA-per-tile builds store y one 2-byte output at a time, not through shared memory in 16-byte runs
         # (KernelOptions.staged_store, shipped since sweep run 41; "staged" named it in run 40)
         "direct": shipped._replace(staged_store=False),
-        # cluster builds whose K blocks do not divide by cluster_k (4096x4096 and 4096x14336: 3 CTAs per tile) stream
-        # equal runs of their own blocks and share the remainder by rows (KernelOptions.remainder_by_rows)
-        "by-rows": shipped._replace(remainder_by_rows=True),
         # at most 2 CTAs per row tile: 4096x4096 on 64 SMs, so two launches in a row fit beside each other
         "half-grid": shipped._replace(cluster_max_k=2),
         "x-evict-last": shipped._replace(x_eviction="last"),  # x loads marked evict-last in L2

@@ -74,8 +74,6 @@ OPTION_VARIANTS = [
     linear.DEFAULT_OPTIONS._replace(partials_beside=False),
     # one-CTA-per-tile builds storing y one output at a time (shipped: through shared memory, staged_store)
     linear.DEFAULT_OPTIONS._replace(staged_store=False),
-    # cluster builds whose K blocks do not divide by cluster_k share the remainder blocks by rows (4096x4096)
-    linear.DEFAULT_OPTIONS._replace(remainder_by_rows=True),
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
@@ -83,7 +81,7 @@ OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-c
               f"{'-2wg' * (o.consumer_warpgroups == 2)}{'-exclusive' * o.exclusive_sm}"
               f"{'-reduce0' * (o.cluster_split > 0 and not o.cluster_scatter)}"
               f"{'-ring' * (o.own_partial_bytes != linear.OWN_PARTIAL_BYTES)}{'-nobeside' * (o.cluster_scatter and not o.partials_beside)}"
-              f"{'-direct' * (o == linear.DEFAULT_OPTIONS._replace(staged_store=False))}{'-byrows' * o.remainder_by_rows}"
+              f"{'-direct' * (o == linear.DEFAULT_OPTIONS._replace(staged_store=False))}"
               for o in OPTION_VARIANTS]
 
 
@@ -1080,48 +1078,6 @@ def test_partials_in_ring_match_own_buffer_bitwise(cluster_k):
                 assert torch.equal(outs[0], out), f"cluster_k={cluster_k} {n}x{k} M={m}: {name} differs"
             checked += 1
     assert checked >= 6 and besides >= 2, (checked, besides)
-
-
-def test_remainder_by_rows_policy_and_ptx(tmp_path):
-    """options_for keeps remainder_by_rows only on cluster builds whose K blocks do not divide by cluster_k (4096x4096
-    and 4096x14336 with 3 CTAs per tile on an H200; not 6144x4096 with 2, nor one CTA per tile or stream-K). Its build
-    multiplies in two loops (own blocks, then the remainder into a second accumulator): twice the wgmma instructions
-    of the same build without it, the same TMA load sites, and no predicated R2UR."""
-    policy = linear.DEFAULT_OPTIONS._replace(remainder_by_rows=True)
-    on = {(n, k, m): linear.options_for(policy, n, k, m, *H200) for n, k in ((4096, 4096), (4096, 14336), (6144, 4096),
-                                                                        (10240, 8192), (57344, 8192)) for m in (1, 64)}
-    assert [key for key, o in on.items() if o.remainder_by_rows] == [(4096, 4096, 1), (4096, 4096, 64),
-                                                                    (4096, 14336, 1), (4096, 14336, 64)]
-    assert all(o.cluster_k == 3 for key, o in on.items() if o.remainder_by_rows)
-    assert not linear.options_for(linear.DEFAULT_OPTIONS, 4096, 4096, 16, *H200).remainder_by_rows
-    o = linear.options_for(policy, 4096, 4096, 16, *H200)
-    texts = {}
-    for name, options in (("plain", o._replace(remainder_by_rows=False)), ("rows", o)):
-        texts[name], cubin = _ptx_and_cubin(torch.bfloat16, 16, False, tmp_path / name, options)
-        nvdisasm = _nvdisasm()
-        if nvdisasm is not None:
-            assert not _predicated_r2ur(cubin, nvdisasm)[1], name
-    wgmma = re.compile(r"wgmma\.mma_async\.")
-    assert len(wgmma.findall(texts["rows"])) == 2 * len(wgmma.findall(texts["plain"])) > 0
-    assert len(TMA_LOAD_DESCRIPTOR.findall(texts["rows"])) == len(TMA_LOAD_DESCRIPTOR.findall(texts["plain"]))
-
-
-@on_gpu
-@pytest.mark.parametrize("variant", ["k2", "k3", "k5", "k7", "k3-wgmma2", "k3-2wg"])
-def test_remainder_by_rows_numerics(variant):
-    """remainder_by_rows on shapes whose K blocks do not divide by the cluster's CTAs (and some that do), ragged N and
-    K, M around every m_pad whose partials fit, bias at odd M: every output element matches the float64 reference (y
-    NaN-poisoned before the launch). The split sums the remainder's rows in another CTA's partial than the plain
-    build, so the two are not compared bit for bit."""
-    cluster_k = int(variant.split("-")[0][1:])
-    options = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_fit=False, cluster_k=cluster_k,
-                                              remainder_by_rows=True)
-    if variant.endswith("wgmma2"):
-        options = options._replace(wgmma_in_flight=2)
-    elif variant.endswith("2wg"):
-        options = options._replace(consumer_warpgroups=2)
-    _check_split_builds(options, [(4096, 4096), (1000, 1000), (129, 520), (8, 256), (300, 4040)],
-                        (1, 9, 17, 33, 64), f"remainder_by_rows {variant}")
 
 
 def test_scatter_shares():

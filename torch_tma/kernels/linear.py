@@ -331,14 +331,6 @@ class KernelOptions(NamedTuple):
         Cluster builds keep the direct stores: each CTA stores 1 / cluster_k of the tile, and staging it made their
         sum and stores longer (0.35 -> 0.42 us at 4096x4096 M=64, trace run 24). Stream-K builds (a CTA's run can go
         on to the next tile while the ring refills) keep them too.
-    remainder_by_rows: in a cluster-split build whose K blocks do not divide by cluster_k, every CTA streams the same
-        number of whole blocks, k_blocks // cluster_k of its own, and then the tile's last k_blocks % cluster_k blocks,
-        which every CTA of the cluster loads and multiplies into a second accumulator and adds only for its share of
-        the tile's 128 rows (rank * 128 // cluster_k up to the next rank's): each weight row of those blocks is summed
-        once, in one CTA's partial. Without it the last rank streams the remainder alone (4096x4096 with 3 CTAs per
-        tile: 21, 21 and 22 blocks; on the H200 the 22-block CTAs streamed ~0.2 us longer at p50, trace run 12), and
-        the row tile ends with it. The shared blocks leave DRAM once if the CTAs' requests meet in L2, and reach each
-        CTA's SM. options_for() keeps it only where the split is uneven (it needs K, which the build does not see).
     late_first_cta_ns: a test build: in a cluster-split build, CTA 0 of each cluster spins this many nanoseconds
         (on %globaltimer) after its last wgmma, before it says its ring is drained or waits for the partials, so
         the other CTAs reach their waits before CTA 0 arrives (tests/test_linear_kernel.py). 0 in shipped builds.
@@ -380,7 +372,6 @@ class KernelOptions(NamedTuple):
     weight_eviction: str = "normal"
     x_eviction: str = "normal"
     staged_store: bool = False
-    remainder_by_rows: bool = False
     late_first_cta_ns: int = 0
     trace: bool = False
 
@@ -888,8 +879,6 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
         resolved = resolved._replace(partials_beside=False)  # likewise
     if not resolved.partials_beside or m_pad(M) < options.ring_fill_min_m_pad:
         resolved = resolved._replace(ring_fill=False)  # likewise
-    if resolved.cluster_k < 2 or -(-K // TILE_K) % resolved.cluster_k == 0:
-        resolved = resolved._replace(remainder_by_rows=False)  # likewise
     return resolved
 
 
@@ -983,7 +972,6 @@ class WeightStreamingLinear:
         # staged_store: the builds of one CTA per row tile, whose CTAs each store a whole tile's y (the staging area
         # is the start of the drained ring)
         self.staged = options.staged_store and options.cluster_k == 1
-        self.by_rows = options.remainder_by_rows and options.cluster_k > 1
         if self.staged and m_pad_ * STAGE_PITCH * 2 > _weight_ring_bytes(stages):
             raise ValueError(f"WeightStreamingLinear: staged_store's {m_pad_ * STAGE_PITCH * 2} bytes do not fit in a "
                              f"ring of {stages} stages")
@@ -1108,16 +1096,7 @@ class WeightStreamingLinear:
         total = cute.ceil_div(w_coords.shape[0], TILE_N) * k_blocks
         run_begin = cta * total // num_ctas
         run_end = (cta + 1) * total // num_ctas
-        own_end = Int32(0)  # remainder_by_rows: the column after this CTA's own blocks, and the remainder's first
-        shared_begin = Int32(0)
-        if cutlass.const_expr(self.by_rows):
-            # iterations run_begin .. +own: this CTA's own blocks; the rest of its run: the tile's remainder blocks
-            own = k_blocks // cluster_k
-            run_begin = cluster_tile * k_blocks + rank * own
-            run_end = run_begin + own + (k_blocks - cluster_k * own)
-            own_end = (rank + 1) * own * TILE_K
-            shared_begin = cluster_k * own * TILE_K
-        elif cutlass.const_expr(cluster_k):
+        if cutlass.const_expr(cluster_k):
             run_begin = cluster_tile * k_blocks + rank * k_blocks // cluster_k
             run_end = cluster_tile * k_blocks + (rank + 1) * k_blocks // cluster_k
         if cutlass.const_expr(self.in_ring):
@@ -1166,7 +1145,7 @@ class WeightStreamingLinear:
         if warp_idx == self.options.producer_warp:
             self.load_run(
                 w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
-                trace, cta, tidx, own_end, shared_begin,
+                trace, cta, tidx,
             )
         if warp_idx < self.options.producer_warp:
             if cutlass.const_expr(self.options.pdl):
@@ -1187,10 +1166,9 @@ class WeightStreamingLinear:
     @cute.jit
     def load_run(
         self, w_atom, w_coords, x_atom, x_coords, w_tiles, x_tiles, loads, weight_map, run_begin, run_end, k_blocks,
-        trace, cta, tidx, own_end, shared_begin,
+        trace, cta, tidx,
     ):
-        """Warp 4: TMA-load weight block (tile, kb) and x block kb for every iteration of this CTA's run; with
-        remainder_by_rows, after the block that ends at column own_end, the next is the one at shared_begin."""
+        """Warp 4: TMA-load weight block (tile, kb) and x block kb for every iteration of this CTA's run."""
         # outside the elected copy branches, with the acquire fence; None: the atom's own descriptor (a kernel parameter)
         weight_map_ptr = (tma_desc_ptr(weight_map, scope=self.options.fence_scope)
                           if cutlass.const_expr(self.options.weight_descriptor == "cache") else None)
@@ -1213,7 +1191,7 @@ class WeightStreamingLinear:
             x_col = col
             for _ in cutlass.range(run_begin, first, unroll=1):
                 row, state, col = self._weight_load(w_atom, w_coords, w_dst, loads, state, row, col, k_blocks,
-                                                    weight_map_ptr, w_policy, trace, cta, tidx, own_end, shared_begin)
+                                                    weight_map_ptr, w_policy, trace, cta, tidx)
             if cutlass.const_expr(self.options.trace):
                 if tidx == self.options.producer_warp * 32:
                     trace[cta, 11] = Int64(first - run_begin)
@@ -1228,9 +1206,6 @@ class WeightStreamingLinear:
                           tma_bar_ptr=loads.producer_get_barrier(x_state), cache_policy=x_policy)
                 x_state.advance()
                 x_col = x_col + TILE_K
-                if cutlass.const_expr(self.by_rows):
-                    if x_col == own_end:
-                        x_col = shared_begin
                 if x_col == k_blocks * TILE_K:
                     x_col = 0
         elif cutlass.const_expr(self.options.pdl):
@@ -1254,9 +1229,6 @@ class WeightStreamingLinear:
                 if tidx == self.options.producer_warp * 32 and state.count == 1:
                     trace[cta, 3] = cute.arch.clock64()
             col = col + TILE_K
-            if cutlass.const_expr(self.by_rows):
-                if col == own_end:
-                    col = shared_begin
             if col == k_blocks * TILE_K:
                 col = 0
                 row = row + TILE_N
@@ -1270,7 +1242,7 @@ class WeightStreamingLinear:
 
     @cute.jit
     def _weight_load(self, w_atom, w_coords, w_dst, loads, state, row, col, k_blocks, weight_map_ptr, w_policy, trace,
-                     cta, tidx, own_end, shared_begin):
+                     cta, tidx):
         """One weight block before griddepcontrol.wait (its x block follows after it) at element (row, col) into
         state's stage; returns the next block's row, state (advanced) and the next block's col. Returning state lets
         the caller's loop carry it (a loop carries what its body rebinds), in the order the inlined loop had."""
@@ -1285,12 +1257,8 @@ class WeightStreamingLinear:
             if tidx == self.options.producer_warp * 32 and state.count == 1:
                 trace[cta, 3] = cute.arch.clock64()
         # Branch-free step to the next block: with an `if` here, ptxas predicates the R2UR of row.
-        if cutlass.const_expr(self.by_rows):
-            step = TILE_K + Int32(col + TILE_K == own_end) * (shared_begin - own_end)
-        else:
-            step = TILE_K
-        wrapped = (col + step) // (k_blocks * TILE_K)
-        col = col + step - wrapped * (k_blocks * TILE_K)
+        wrapped = (col + TILE_K) // (k_blocks * TILE_K)
+        col = col + TILE_K - wrapped * (k_blocks * TILE_K)
         row = row + wrapped * TILE_N
         return row, state, col
 
@@ -1313,7 +1281,6 @@ class WeightStreamingLinear:
         acc_coords = thr_mma.partition_C(cute.make_identity_tensor((TILE_N, self.m_pad)))
         acc = cute.make_rmem_tensor(acc_coords.shape, Float32)
         tile_sum = cute.make_rmem_tensor(acc_coords.shape, Float32)
-        rest = cute.make_rmem_tensor(acc_coords.shape, Float32) if cutlass.const_expr(self.by_rows) else None
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         released = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)  # lags with 2 in flight
@@ -1323,23 +1290,33 @@ class WeightStreamingLinear:
             tile = it // k_blocks
             tile_begin = tile * k_blocks
             seg_end = cutlass.min(run_end, tile_begin + k_blocks)
-            own_stop = seg_end
-            if cutlass.const_expr(self.by_rows):
-                own_stop = it + k_blocks // self.options.cluster_k  # then the tile's remainder blocks (one segment)
             acc.fill(0.0)
-            for i in cutlass.range(it, own_stop, unroll=1):
-                released, state = self._consume(tiled_mma, acc, w_frag, x_frag, loads, state, released, trace, cta, tidx)
-            if cutlass.const_expr(self.by_rows):
-                rest.fill(0.0)
-                for i in cutlass.range(own_stop, seg_end, unroll=1):
-                    released, state = self._consume(tiled_mma, rest, w_frag, x_frag, loads, state, released, trace, cta,
-                                                     tidx)
+            for i in cutlass.range(it, seg_end, unroll=1):
+                loads.consumer_wait(state)
+                if cutlass.const_expr(self.options.trace):
+                    if tidx == 0 and state.count == 0:
+                        trace[cta, 5] = cute.arch.clock64()
+                warpgroup.fence()
+                for k_phase in cutlass.range_constexpr(cute.size(w_frag, mode=[2])):
+                    cute.gemm(
+                        tiled_mma, acc,
+                        w_frag[(None, None, k_phase, state.index)], x_frag[(None, None, k_phase, state.index)],
+                        acc,
+                    )
+                warpgroup.commit_group()
+                if cutlass.const_expr(self.options.wgmma_in_flight == 1):
+                    warpgroup.wait_group(0)  # the stage is free only once wgmma has read it
+                    loads.consumer_release(state)
+                else:
+                    warpgroup.wait_group(1)  # the previous stage's wgmma is done: that stage is free
+                    if released.count != state.count:
+                        loads.consumer_release(released)
+                        released.advance()
+                state.advance()
             if cutlass.const_expr(self.options.wgmma_in_flight == 2):
                 warpgroup.wait_group(0)
                 loads.consumer_release(released)
                 released.advance()
-            if cutlass.const_expr(self.by_rows):
-                self._add_own_rows(acc, rest, acc_coords, cta)
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0 and seg_end == run_end:
                     trace[cta, 6] = cute.arch.clock64()
@@ -1365,45 +1342,6 @@ class WeightStreamingLinear:
                     arrivals, fixup_count, cta, num_ctas, tidx, k_blocks, total, trace,
                 )
             it = seg_end
-
-    @cute.jit
-    def _add_own_rows(self, acc, rest, acc_coords, cta):
-        """remainder_by_rows: acc += rest on this CTA's rows of the tile (its rank's share of the 128); the other CTAs
-        of the cluster add the other rows of the remainder blocks."""
-        rank = cta % self.options.cluster_k
-        lo = rank * TILE_N // self.options.cluster_k
-        hi = (rank + 1) * TILE_N // self.options.cluster_k
-        for v in cutlass.range(cute.size(acc), unroll_full=True):
-            row, _ = acc_coords[v]
-            if row >= lo and row < hi:
-                acc[v] = acc[v] + rest[v]
-
-    @cute.jit
-    def _consume(self, tiled_mma, acc, w_frag, x_frag, loads, state, released, trace, cta, tidx):
-        """Wait for state's stage, multiply it into acc, and release it (with two wgmma in flight, the stage before
-        it, `released`); returns released and state, advanced (the caller's loop carries them)."""
-        loads.consumer_wait(state)
-        if cutlass.const_expr(self.options.trace):
-            if tidx == 0 and state.count == 0:
-                trace[cta, 5] = cute.arch.clock64()
-        warpgroup.fence()
-        for k_phase in cutlass.range_constexpr(cute.size(w_frag, mode=[2])):
-            cute.gemm(
-                tiled_mma, acc,
-                w_frag[(None, None, k_phase, state.index)], x_frag[(None, None, k_phase, state.index)],
-                acc,
-            )
-        warpgroup.commit_group()
-        if cutlass.const_expr(self.options.wgmma_in_flight == 1):
-            warpgroup.wait_group(0)  # the stage is free only once wgmma has read it
-            loads.consumer_release(state)
-        else:
-            warpgroup.wait_group(1)  # the previous stage's wgmma is done: that stage is free
-            if released.count != state.count:
-                loads.consumer_release(released)
-                released.advance()
-        state.advance()
-        return released, state
 
     @cute.jit
     def finish_partial(
