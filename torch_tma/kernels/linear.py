@@ -134,8 +134,9 @@ _CLUSTER_SCOPE = nvvm.MemScopeKind.CLUSTER  # a remote mbarrier arrive that rele
 
 # Weight descriptor L2 promotion where a call names none. benchmarks/bench_linear.py sweeps NONE/64B/128B/256B
 # (timed in turns) at M in {1, 16, 64} on 7 shapes; this follows the measurement. On the H200, 256B was never faster
-# than 128B (up to 6.4 % slower in the latest grid, docs/results/linear-h200.log), and NONE and 64B were within
-# 0.7 %: 128B. GPU models whose grids found otherwise are in MEASURED_L2_PROMOTION.
+# than 128B (up to 6.4 % slower in stop 26's grid, docs/results/linear-h200-before-staged-store.log; 7.0 % in stop
+# 35's, linear-h200.log), and NONE and 64B were within 0.7 % (0.8 %): 128B. GPU models whose grids found otherwise
+# are in MEASURED_L2_PROMOTION.
 DEFAULT_L2_PROMOTION = L2Promotion.L2_128B
 
 # GPU model (torch.cuda.get_device_name) -> (weight bytes from which, promotion): where that model's grids found
@@ -162,8 +163,8 @@ def default_l2_promotion(device_index: int, N: int, K: int, dtype: torch.dtype) 
 # max M); above it the op falls back to cuBLAS. From benchmarks/sweep_linear.py on the H200, kernel vs cuBLAS, back
 # to back and in situ. Runs 4 and 5 (2026-12-03, docs/results/sweep-linear-h200-run{4,5}.*, the cluster split at every
 # M) put M=32 at 0.90-0.99x under 64 MB and 0.97-1.17x above, M=64 at 0.66-1.06x. With the weight loaded evict-first
-# (runs 11-13 and the grids docs/results/linear-h200.csv and linear-h200-before-full-crossover.csv), M=32 was 1.04-1.07x
-# on 4096x4096 and 1.00-1.05x on 6144x4096 (32 and 48 MB); 1024x4096 (8 MB) stayed 0.98x in situ.
+# (runs 11-13 and the grids docs/results/linear-h200-before-staged-store.csv and -before-full-crossover.csv), M=32 was
+# 1.04-1.07x on 4096x4096 and 1.00-1.05x on 6144x4096 (32 and 48 MB); 1024x4096 (8 MB) stayed 0.98x in situ.
 CROSSOVER_M = (
     (16 << 20, 16),
     (math.inf, 32),
@@ -550,7 +551,7 @@ class KernelOptions(NamedTuple):
 # Trace runs 24-25 and sweep runs 40-41 (an H100; docs/results/trace-linear-h100-run2{4,5}.*,
 # sweep-linear-h100-run4{0,1}.*): one-CTA-per-tile builds storing y through shared memory in 16-byte runs
 # (staged_store) took 10240x8192 M=64's tail from 1.14 to 0.69 us and gained up to 1.7 % at M 32-64 on 28672x4096 and
-# 10240x8192; see staged_store. The H200 grid (docs/results/linear-h200.csv) predates it.
+# 10240x8192; see staged_store. Stop 35's H200 grid (docs/results/linear-h200.csv) is the first with it.
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                                 cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
                                 weight_eviction="first", exclusive_trigger_grid=0.75, exclusive_max_blocks=100,
