@@ -16,7 +16,7 @@ Per call, from the CTAs' rows (TRACE_FIELDS in torch_tma/kernels/linear.py), med
   early     CTAs that started before the previous call's last CTA ended
   sms       SMs the call's CTAs ran on; stacked: SMs that ran two or more of them
   pre       weight blocks a CTA asked for before griddepcontrol.wait, mean over the CTAs (its ring's depth, or its
-            whole run where that is shorter)
+            whole run where that is shorter; 0 for builds without weight_before_wait)
 and per CTA (SM clock converted with the clock rate measured from the same rows), median and max over CTAs:
   issue     start -> first weight block issued by the TMA warp
   wait      start -> griddepcontrol.wait returned in the TMA warp

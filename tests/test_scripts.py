@@ -2,7 +2,8 @@
 
 They run only on the H200, so without this a broken import or option would show first in a GPU session, where
 device time is scarce. Each is run as __main__ with --help in this process (the imports are shared with the other
-tests) and must print its usage and exit 0.
+tests) and must print its usage and exit 0. The parts that need no GPU run for real: ncu_linear's summary of a
+profile and ptx_hashes' PTX hashes.
 """
 
 import runpy
@@ -83,11 +84,13 @@ def test_ncu_summary_of_the_first_eviction_run(capsys, ncu_linear):
     assert sum(line.startswith("cublas 4096x4096 M=16 | ") for line in lines) == 2
 
 
-def test_ptx_hashes_tell_builds_apart(monkeypatch, capsys):
-    """docs/probes/ptx_hashes.py: one build compiled for M=1 and M=8 (both pad to 8) hashes the same, the shipped lead
-    of 3 loads against none at M=1 hashes differently."""
+def test_ptx_hashes_tell_builds_apart(monkeypatch, capsys, tmp_path):
+    """docs/probes/ptx_hashes.py on this checkout (--tree): one build compiled for M=1 and M=8 (both pad to 8) hashes
+    the same, the shipped lead of 3 loads against none at M=1 hashes differently; and a --tree its imports did not
+    come from (torch_tma is already imported from this checkout) is refused rather than hashed."""
     path = ROOT / "docs" / "probes" / "ptx_hashes.py"
-    argv = [str(path), "--variants", "shipped", "no-lead", "--shapes", "4096x4096", "--ms", "1", "8", "--bias", "0"]
+    argv = [str(path), "--tree", str(ROOT), "--variants", "shipped", "no-lead", "--shapes", "4096x4096", "--ms", "1",
+            "8", "--bias", "0"]
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.setattr(sys, "path", list(sys.path))
     runpy.run_path(str(path), run_name="__main__")
@@ -96,3 +99,8 @@ def test_ptx_hashes_tell_builds_apart(monkeypatch, capsys):
     assert all(len(h) == 16 and int(h, 16) >= 0 for h in lines.values())
     assert lines["shipped 4096x4096 M=1 bias=0"] == lines["shipped 4096x4096 M=8 bias=0"]
     assert lines["shipped 4096x4096 M=1 bias=0"] != lines["no-lead 4096x4096 M=1 bias=0"]
+    (tmp_path / "benchmarks").mkdir()
+    monkeypatch.setattr(sys, "argv", [str(path), "--tree", str(tmp_path), "--shapes", "4096x4096", "--ms", "1"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(path), run_name="__main__")
+    assert exit_info.value.code == 2 and "was imported from" in capsys.readouterr().err
