@@ -31,10 +31,8 @@ so every GPC a share in proportion to its SMs); "stream-k-deep": that with the w
 (KernelOptions.ring_fill; shipped: for m_pad 64, M 33-64); "no-fill": at no M, as before sweep run 32; "direct": builds
 of one CTA per row tile store y one output at a time, as before sweep run 41 (shipped since: through shared memory in
 coalesced 16-byte runs, KernelOptions.staged_store); "two-wg": two consumer warpgroups of 64 weight rows each;
-"two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; "pf4", "pf8", "pf16", "pf32": the TMA
-warp keeps that many weight blocks past its ring's loads requested of L2 (KernelOptions.l2_prefetch); earlier runs
-also swept the weight loaded without the L2 evict-first hint, the release form of the cluster barrier's entry arrive,
-the descriptor prefetch, the
+"two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier runs also swept the weight loaded
+without the L2 evict-first hint, the release form of the cluster barrier's entry arrive, the descriptor prefetch, the
 TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters that do not all run at once, the
 cluster split's bounds, a second wgmma in flight on the half-SM ring, PDL, the descriptor fence scope, shares of the
 shared memory and two CTAs per SM, and options since taken out of the kernel (x multicast, a bounded steady depth, a
@@ -135,12 +133,6 @@ def variants(linear):
         "stream-k": shipped._replace(cluster_split=0),
         # ... with the whole SM's ring and a second stage's wgmma in flight (the M=64 deep ring)
         "stream-k-deep": shipped._replace(cluster_split=0, smem_share=1, wgmma_in_flight=2),
-        # the TMA warp keeps 4, 8, 16 or 32 weight blocks past its ring's loads requested of L2 (a TMA prefetch, no
-        # shared memory): more DRAM requests in flight per CTA, from before griddepcontrol.wait on
-        "pf4": shipped._replace(l2_prefetch=4),
-        "pf8": shipped._replace(l2_prefetch=8),
-        "pf16": shipped._replace(l2_prefetch=16),
-        "pf32": shipped._replace(l2_prefetch=32),
     }
 
 

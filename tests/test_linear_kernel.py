@@ -74,7 +74,6 @@ OPTION_VARIANTS = [
     linear.DEFAULT_OPTIONS._replace(partials_beside=False),
     # one-CTA-per-tile builds storing y one output at a time (shipped: through shared memory, staged_store)
     linear.DEFAULT_OPTIONS._replace(staged_store=False),
-    linear.DEFAULT_OPTIONS._replace(l2_prefetch=8),  # 8 weight blocks past the ring asked of L2 (prefetch_tma_l2)
 ]
 OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-cta{o.ctas_per_sm}-share{o.smem_share}"
               f"-cluster{o.cluster_split}{'fit' * o.cluster_fit}-early{int(o.early_trigger)}-wgmma{o.wgmma_in_flight}"
@@ -83,7 +82,6 @@ OPTION_IDS = [f"{o.fence_scope}-pdl{int(o.pdl)}-wbw{int(o.weight_before_wait)}-c
               f"{'-reduce0' * (o.cluster_split > 0 and not o.cluster_scatter)}"
               f"{'-ring' * (o.own_partial_bytes != linear.OWN_PARTIAL_BYTES)}{'-nobeside' * (o.cluster_scatter and not o.partials_beside)}"
               f"{'-direct' * (o == linear.DEFAULT_OPTIONS._replace(staged_store=False))}"
-              f"{f'-l2pf{o.l2_prefetch}' * bool(o.l2_prefetch)}"
               for o in OPTION_VARIANTS]
 
 
@@ -313,33 +311,6 @@ def test_weight_loads_carry_the_eviction_policy(eviction, tmp_path):
         assert not x_policies & weight_policies, loads
     else:
         assert not policies
-
-
-# An L2 prefetch of a 2-D box through a descriptor, with a cache policy: groups are the descriptor and policy registers.
-TMA_PREFETCH = re.compile(r"cp\.async\.bulk\.prefetch\.tensor\.2d\.L2\.global\.tile\.L2::cache_hint "
-                          r"\[(%rd\d+), \{[^}]*\}\], (%rd\d+);")
-
-
-@pytest.mark.parametrize("cluster_k", [0, 3])
-def test_l2_prefetch_goes_through_our_descriptor(cluster_k, tmp_path):
-    """l2_prefetch: two TMA prefetches in the code (the window before griddepcontrol.wait, one with every load after
-    it), each issued by one elected thread, through the fenced descriptor the weight loads read, with their evict-first
-    policy; without it, none."""
-    options = linear.DEFAULT_OPTIONS._replace(cluster_k=cluster_k, early_trigger=False, load_trigger=True)
-    ptx, _ = _ptx_and_cubin(torch.bfloat16, 16, False, tmp_path / "off", options)
-    assert "cp.async.bulk.prefetch" not in ptx
-    ptx, _ = _ptx_and_cubin(torch.bfloat16, 16, False, tmp_path / "on", options._replace(l2_prefetch=4))
-    (fenced,) = re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.\w+ \[(%rd\d+)\], 128;", ptx)
-    weight_policies = {policy for desc, policy in TMA_LOAD_POLICY.findall(ptx) if desc == fenced}
-    prefetches = TMA_PREFETCH.findall(ptx)
-    assert len(prefetches) == 2 and {desc for desc, _ in prefetches} == {fenced}, prefetches
-    assert {policy for _, policy in prefetches} == weight_policies and len(weight_policies) == 1, prefetches
-    lines = ptx.splitlines()
-    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-    at = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch" in line]
-    assert at[0] < wait < at[1], (at, wait)
-    for i in at:  # elected: the branch just before skips every thread but elect.sync's
-        assert any("elect.sync" in line for line in lines[i - 4:i]), lines[i - 4:i + 1]
 
 
 @pytest.mark.parametrize("x_eviction", ["last", "normal"])
@@ -1135,20 +1106,6 @@ def test_two_consumer_warpgroups_numerics(cluster_k):
     _check_split_builds(options, [(4096, 4096), (1024, 4096), (1000, 1000), (129, 520), (8, 256)],
                         (1, 2, 8, 9, 16, 31, 32, 33, 64), f"2 warpgroups, cluster_k={cluster_k}",
                         counters_zero=True)
-
-
-@on_gpu
-@pytest.mark.parametrize("cluster_k", [0, 1, 3], ids=lambda c: f"k{c}")
-def test_l2_prefetch_numerics(cluster_k):
-    """l2_prefetch on stream-K (runs that cross row tiles), one CTA per row tile and a cluster split, with windows
-    shorter and longer than the runs: each output element matches the float64 reference (NaN-poisoned before the
-    launch), and the stream-K arrival counters are zero after each launch. A prefetch moves no data the kernel reads,
-    so this checks that the loads around it are untouched."""
-    for window in (2, 64):
-        options = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_fit=False,
-                                                  cluster_k=cluster_k, l2_prefetch=window)
-        _check_split_builds(options, [(4096, 4096), (1024, 4096), (1000, 1000), (129, 520)], (1, 9, 16, 33, 64),
-                            f"l2_prefetch={window}, cluster_k={cluster_k}", counters_zero=True)
 
 
 @on_gpu

@@ -73,9 +73,8 @@ from .cache import BoundTensorMap, TensorMap, TensorMapCache, default_cache  # n
 from .layout import DESCRIPTOR_BYTES, decode  # noqa: E402
 from .spec import ELEMENT_BYTES, DataType, Interleave, L2Promotion, OOBFill, Swizzle, TensorMapSpec  # noqa: E402
 
-__all__ = ["SUPPORTED_DSL", "tma_desc_ptr", "prefetch_tma_desc", "prefetch_tma_l2", "l2_evict_first_policy",
-           "l2_evict_last_policy", "AtomPlan", "plan_atom", "atom_tensor_map", "bind_atom_tensor_map",
-           "atom_descriptor"]
+__all__ = ["SUPPORTED_DSL", "tma_desc_ptr", "prefetch_tma_desc", "l2_evict_first_policy", "l2_evict_last_policy",
+           "AtomPlan", "plan_atom", "atom_tensor_map", "bind_atom_tensor_map", "atom_descriptor"]
 
 # The TMA unit requires descriptor addresses aligned to 64 bytes; torch_tma's slots are at least that.
 DESCRIPTOR_ALIGN = 64
@@ -135,25 +134,6 @@ def prefetch_tma_desc(address, *, acquire: Optional[str] = None, loc=None, ip=No
         raise ValueError(f"prefetch_tma_desc: acquire must be None or one of {_FENCE_SCOPES}, got {acquire!r}")
     fence = "" if acquire is None else _ACQUIRE_FENCE.format(scope=acquire) + " "
     _tensormap_asm(Int64(address).ir_value(loc=loc, ip=ip), fence + "prefetch.tensormap [$0];", loc, ip)
-
-
-@dsl_user_op
-def prefetch_tma_l2(atom: cute.CopyAtom, src: cute.Tensor, *, tma_desc_ptr: Optional[cute.Pointer] = None,
-                    cache_policy: Optional[Int64] = None, loc=None, ip=None) -> None:
-    """Ask L2 to fetch the box a TMA load of ``src`` through ``atom`` would read, without loading it anywhere
-    (``cp.async.bulk.prefetch.tensor``): ``cute.prefetch`` with what ``cute.copy`` takes beside it, a torch_tma
-    descriptor (``tma_desc_ptr``, so the fetch uses the slot's L2 promotion) and an L2 ``cache_policy``.
-
-    ``src`` is partitioned as for ``cute.copy`` (``cpasync.tma_partition``), one box; no mbarrier is involved and
-    nothing waits for the fetch. Call it from the whole warp that issues the loads, as ``cute.copy``: one elected
-    thread issues the prefetch (the lowering does not elect one itself, unlike a load's).
-    """
-    # cute.prefetch's own unpack passes neither the descriptor pointer nor the policy; the TMA load trait takes both,
-    # and the prefetch lowering reads them from the same fields as the load's (the PTX shows it: tests/test_cute.py)
-    value = atom._unpack(loc=loc, ip=ip, tma_bar_ptr=cute.make_ptr(Int64, 0, cute.AddressSpace.smem, loc=loc, ip=ip),
-                         tma_desc_ptr=tma_desc_ptr, cache_policy=cache_policy)
-    with cute.arch.elect_one(loc=loc, ip=ip):
-        _cute_ir.prefetch(value, [src.value], loc=loc)
 
 
 def _l2_fractional_policy(priority: str, loc, ip) -> Int64:

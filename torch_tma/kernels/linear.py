@@ -65,7 +65,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..cache import long_lived_empty
-from ..cute import l2_evict_first_policy, l2_evict_last_policy, prefetch_tma_desc, prefetch_tma_l2, tma_desc_ptr
+from ..cute import l2_evict_first_policy, l2_evict_last_policy, prefetch_tma_desc, tma_desc_ptr
 from ..spec import L2Promotion, Swizzle
 
 __all__ = [
@@ -335,11 +335,6 @@ class KernelOptions(NamedTuple):
     late_first_cta_ns: a test build: in a cluster-split build, CTA 0 of each cluster spins this many nanoseconds
         (on %globaltimer) after its last wgmma, before it says its ring is drained or waits for the partials, so
         the other CTAs reach their waits before CTA 0 arrives (tests/test_linear_kernel.py). 0 in shipped builds.
-    l2_prefetch: weight blocks past the ring's loads that the TMA warp has asked L2 to fetch (prefetch_tma_l2: a
-        TMA prefetch through the same descriptor, with the weight's eviction policy, into L2 only): it asks for that
-        many blocks of its run right after the ring's first loads (before griddepcontrol.wait), then one more with
-        every load, so DRAM sees that many more requests per CTA than the ring holds, at no cost in shared memory. 0:
-        none.
     trace: a measurement build. The kernel takes one more tensor, int64 [num_ctas, TRACE_FIELDS], and each CTA
         writes its timeline there (TRACE_FIELDS names the columns): %globaltimer at its start and end, SM clock
         (clock64) at each phase. Results are the same; benchmarks/trace_linear.py reads it.
@@ -379,7 +374,6 @@ class KernelOptions(NamedTuple):
     x_eviction: str = "normal"
     staged_store: bool = False
     late_first_cta_ns: int = 0
-    l2_prefetch: int = 0
     trace: bool = False
 
     @property
@@ -458,8 +452,6 @@ class KernelOptions(NamedTuple):
             raise ValueError(f"KernelOptions.consumer_warpgroups must be 1 or 2, got {self.consumer_warpgroups!r}")
         if self.wgmma_in_flight not in (1, 2):
             raise ValueError(f"KernelOptions.wgmma_in_flight must be 1 or 2, got {self.wgmma_in_flight!r}")
-        if self.l2_prefetch < 0:
-            raise ValueError(f"KernelOptions.l2_prefetch must be >= 0, got {self.l2_prefetch!r}")
         if self.late_first_cta_ns < 0 or (self.late_first_cta_ns and self.cluster_k < 2):
             raise ValueError(f"KernelOptions.late_first_cta_ns must be >= 0, and 0 unless cluster_k >= 2, got "
                              f"{self.late_first_cta_ns!r} with cluster_k={self.cluster_k!r}")
@@ -1201,9 +1193,6 @@ class WeightStreamingLinear:
             for _ in cutlass.range(run_begin, first, unroll=1):
                 row, state, col = self._weight_load(w_atom, w_coords, w_dst, loads, state, row, col, k_blocks,
                                                     weight_map_ptr, w_policy, trace, cta, tidx)
-            if cutlass.const_expr(self.options.l2_prefetch):
-                pf_row, pf_col, pf = self._prefetch_window(w_atom, w_coords, w_dst, row, col, first, run_end, k_blocks,
-                                                           weight_map_ptr, w_policy)
             if cutlass.const_expr(self.options.trace):
                 if tidx == self.options.producer_warp * 32:
                     trace[cta, 11] = Int64(first - run_begin)
@@ -1225,9 +1214,6 @@ class WeightStreamingLinear:
         if cutlass.const_expr(self.options.trace and not self.options.weight_before_wait):
             if tidx == self.options.producer_warp * 32:
                 trace[cta, 4] = cute.arch.clock64()
-        if cutlass.const_expr(self.options.l2_prefetch and not self.options.weight_before_wait):
-            pf_row, pf_col, pf = self._prefetch_window(w_atom, w_coords, w_dst, row, col, first, run_end, k_blocks,
-                                                       weight_map_ptr, w_policy)
         # the trigger after the last weight load (load_trigger), and trigger_lead loads before it
         after_load = self.options.trigger_in_run
         trigger_at = run_end - 1 - self.options.trigger_lead
@@ -1243,9 +1229,6 @@ class WeightStreamingLinear:
             if cutlass.const_expr(self.options.trace and not self.options.weight_before_wait):
                 if tidx == self.options.producer_warp * 32 and state.count == 1:
                     trace[cta, 3] = cute.arch.clock64()
-            if cutlass.const_expr(self.options.l2_prefetch):
-                pf_row, pf_col, pf = self._prefetch(w_atom, w_coords, w_dst, pf_row, pf_col, pf, run_end, k_blocks,
-                                                    weight_map_ptr, w_policy)
             col = col + TILE_K
             if col == k_blocks * TILE_K:
                 col = 0
@@ -1279,29 +1262,6 @@ class WeightStreamingLinear:
         col = col + TILE_K - wrapped * (k_blocks * TILE_K)
         row = row + wrapped * TILE_N
         return row, state, col
-
-    @cute.jit
-    def _prefetch_window(self, w_atom, w_coords, w_dst, row, col, first, run_end, k_blocks, weight_map_ptr, w_policy):
-        """KernelOptions.l2_prefetch: L2 prefetches of the l2_prefetch blocks of the run from `first` (at element (row,
-        col)) on, fewer where the run ends before; returns the prefetch cursor (_prefetch)."""
-        pf_row, pf_col, pf = row, col, first
-        for _ in cutlass.range(first, cutlass.min(run_end, first + self.options.l2_prefetch), unroll=1):
-            pf_row, pf_col, pf = self._prefetch(w_atom, w_coords, w_dst, pf_row, pf_col, pf, run_end, k_blocks,
-                                                weight_map_ptr, w_policy)
-        return pf_row, pf_col, pf
-
-    @cute.jit
-    def _prefetch(self, w_atom, w_coords, w_dst, row, col, block, run_end, k_blocks, weight_map_ptr, w_policy):
-        """An L2 prefetch of weight block `block` at element (row, col) where it is in the run (below run_end);
-        returns the next block's row, col and index. The box is partitioned outside the branch, and the step is
-        branch-free, as in _weight_load."""
-        _, w_src = self._block(w_atom, w_coords, w_dst, row, col, TILE_N)
-        if block < run_end:
-            prefetch_tma_l2(w_atom, w_src, tma_desc_ptr=weight_map_ptr, cache_policy=w_policy)
-        wrapped = (col + TILE_K) // (k_blocks * TILE_K)
-        col = col + TILE_K - wrapped * (k_blocks * TILE_K)
-        row = row + wrapped * TILE_N
-        return row, col, block + 1
 
     @staticmethod
     def _block(atom, coords, smem, row, col, rows):
