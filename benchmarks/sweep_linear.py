@@ -25,8 +25,10 @@ sweep run 27 (shipped since: beside it too, the ring gaining their stages, Kerne
 most 2 CTAs per row tile (cluster_max_k=2); "x-evict-last": x loads marked evict-last in L2; "full-ring": the whole
 SM's shared memory for the ring; "full-ring-wgmma2": that and a second stage's wgmma in flight (at every M; shipped
 only for M=64 runs of 100 blocks or more, KernelOptions.deep_ring_blocks); "wgmma2": a second stage's wgmma in flight
-on the shipped rings; "no-deep-ring": none of them; "stream-k": stream-K at every shape (every SM streams an equal run,
-so every GPC a share in proportion to its SMs); "stream-k-deep": that with the whole SM's ring and two wgmma in flight;
+on the shipped rings at every M (shipped at M 33-64, KernelOptions.wgmma2_min_m_pad); "no-wgmma2-64": at M=64 only on
+the deep ring, as before stop 36; "no-deep-ring": M=64 long runs on the half-SM ring (two wgmma in flight, as every
+M=64 build); "stream-k": stream-K at every shape (every SM streams an equal run, so every GPC a share in proportion to
+its SMs); "stream-k-deep": that with the whole SM's ring and two wgmma in flight;
 "fill": launches with their partials beside the ring give it all the shared memory the partials leave at every M
 (KernelOptions.ring_fill; shipped: for m_pad 64, M 33-64); "no-fill": at no M, as before sweep run 32; "direct": builds
 of one CTA per row tile store y one output at a time, as before sweep run 41 (shipped since: through shared memory in
@@ -124,9 +126,11 @@ def variants(linear):
         "full-ring-wgmma2": shipped._replace(smem_share=1, wgmma_in_flight=2),
         # a second stage's wgmma in flight on the shipped rings (half the SM's at M <= 32 and short M=64 runs)
         "wgmma2": shipped._replace(wgmma_in_flight=2),
+        # no second wgmma in flight at M=64 but on the deep ring (shipped until stop 36: KernelOptions.wgmma2_min_m_pad)
+        "no-wgmma2-64": shipped._replace(wgmma2_min_m_pad=0),
         "two-wg": shipped._replace(consumer_warpgroups=2),  # two consumer warpgroups, 64 weight rows each
         "two-wg-full-ring-wgmma2": shipped._replace(consumer_warpgroups=2, smem_share=1, wgmma_in_flight=2),
-        "no-deep-ring": shipped._replace(deep_ring_blocks=0),  # M=64 long runs keep the half-SM ring, one wgmma
+        "no-deep-ring": shipped._replace(deep_ring_blocks=0),  # M=64 long runs keep the half-SM ring
         # stream-K at every shape (equal runs of weight blocks on every SM, partials summed through global memory by
         # the last arriver; shipped only where row tiles outnumber two per SM): a launch of fewer row tiles than SMs
         # then uses every SM, so every GPC streams a share in proportion to its SMs

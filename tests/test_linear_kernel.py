@@ -630,6 +630,25 @@ def test_deep_ring_policy(tmp_path):
     assert linear.pipeline_stages(64, o.smem_slots, o.cluster_k) == 9
 
 
+def test_wgmma2_policy():
+    """options_for gives every build at M 33-64 (shipped wgmma2_min_m_pad=64) two wgmma in flight, whatever its ring and
+    split, and changes nothing else: the same resolution as without the policy but for wgmma_in_flight; at M <= 32
+    none has it. Without the policy only the deep-ring builds have it."""
+    shipped = linear.DEFAULT_OPTIONS
+    assert shipped.wgmma2_min_m_pad == 64 and shipped.wgmma_in_flight == 1
+    for n, k in BENCH_SHAPES + [(1024, 4096), (14336, 4096), (1000, 1000)]:
+        for m in (1, 16, 32, 33, 64):
+            o = linear.options_for(shipped, n, k, m, *H200)
+            plain = linear.options_for(shipped._replace(wgmma2_min_m_pad=0), n, k, m, *H200)
+            assert o.wgmma_in_flight == (2 if m > 32 else 1), (n, k, m, o)
+            assert o._replace(wgmma_in_flight=plain.wgmma_in_flight, wgmma2_min_m_pad=0) == plain, (n, k, m)
+            assert plain.wgmma_in_flight == (2 if plain.smem_share == 1 else 1), (n, k, m, plain)
+    assert linear.options_for(shipped._replace(wgmma2_min_m_pad=16), 4096, 4096, 9, *H200).wgmma_in_flight == 2
+    for bad in (1, 48, 128):
+        with pytest.raises(ValueError, match="wgmma2_min_m_pad"):
+            shipped._replace(wgmma2_min_m_pad=bad).check()
+
+
 def test_cluster_k_for_policy():
     """One cluster per row tile, the whole grid resident at once, as large as the received partials fit; stream-K
     where that cannot be."""

@@ -302,6 +302,12 @@ class KernelOptions(NamedTuple):
     wgmma_in_flight: stages whose wgmma may be running at once. 1: wait for a stage's wgmma, release the stage,
         then wait for the next one. 2: issue the next stage's wgmma before waiting for the previous one (released
         one stage late), so the tensor cores never wait for the warpgroup's round trip.
+    wgmma2_min_m_pad: the two-in-flight policy: options_for() gives every build whose M pads to at least this (one of
+        M_PADS) wgmma_in_flight=2 on whatever ring it has; 0: none (the deep-ring policy still gives it to its
+        builds). Shipped at 64 (M 33-64): sweep runs 45-47 on an H100 (docs/linear.md), 4096x14336 M=64 40.70-40.93
+        against 41.57-41.66 us back to back and 42.36-42.98 against 43.86-44.16 us in situ, 1024x4096 M=64 6.09
+        against 7.27 us; the other M=64 cells within 0.4 % back to back, and 3.5-4.0 % faster in situ at 4096x4096 and
+        6144x4096; at M=32 it lost (1024x4096 4.71 against 4.47 us, 10240x8192 59.22 against 58.14 us).
     descriptor_prefetch: "": the TMA warp acquires the weight descriptor just before its first load, and the TMA unit
         fetches it then. "entry" (shipped): the TMA warp also issues prefetch.tensormap at kernel entry, before the
         barriers are set up, so the fetch overlaps the set-up; "entry-acquired": the fence and then the prefetch at
@@ -365,6 +371,7 @@ class KernelOptions(NamedTuple):
     cluster_max_m_pad: int = M_PADS[-1]
     cluster_fit: bool = False
     wgmma_in_flight: int = 1
+    wgmma2_min_m_pad: int = 0
     consumer_warpgroups: int = 1
     deep_ring_blocks: int = 0
     weight_descriptor: str = "cache"
@@ -452,6 +459,9 @@ class KernelOptions(NamedTuple):
             raise ValueError(f"KernelOptions.consumer_warpgroups must be 1 or 2, got {self.consumer_warpgroups!r}")
         if self.wgmma_in_flight not in (1, 2):
             raise ValueError(f"KernelOptions.wgmma_in_flight must be 1 or 2, got {self.wgmma_in_flight!r}")
+        if self.wgmma2_min_m_pad not in (0,) + M_PADS:
+            raise ValueError(f"KernelOptions.wgmma2_min_m_pad must be 0 or one of {M_PADS}, got "
+                             f"{self.wgmma2_min_m_pad!r}")
         if self.late_first_cta_ns < 0 or (self.late_first_cta_ns and self.cluster_k < 2):
             raise ValueError(f"KernelOptions.late_first_cta_ns must be >= 0, and 0 unless cluster_k >= 2, got "
                              f"{self.late_first_cta_ns!r} with cluster_k={self.cluster_k!r}")
@@ -551,13 +561,15 @@ class KernelOptions(NamedTuple):
 # Trace runs 24-25 and sweep runs 40-41 (an H100; docs/results/trace-linear-h100-run2{4,5}.*,
 # sweep-linear-h100-run4{0,1}.*): one-CTA-per-tile builds storing y through shared memory in 16-byte runs
 # (staged_store) took 10240x8192 M=64's tail from 1.14 to 0.69 us and gained up to 1.7 % at M 32-64 on 28672x4096 and
-# 10240x8192; see staged_store. Stop 35's H200 grid (docs/results/linear-h200.csv) is the first with it.
+# 10240x8192; see staged_store. Stop 35's H200 grid (docs/results/linear-h200.csv) is the first with it. Sweep runs
+# 45-47 (an H100): a second wgmma in flight on every M=64 ring (wgmma2_min_m_pad), not only the deep one; see its
+# docstring.
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                                 cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
                                 weight_eviction="first", exclusive_trigger_grid=0.75, exclusive_max_blocks=100,
                                 deep_ring_blocks=100, trigger_lead=3, trigger_lead_max_m_pad=16,
                                 cluster_scatter=True, partials_beside=True, beside_small=True, ring_fill=True,
-                                ring_fill_min_m_pad=64, staged_store=True)
+                                ring_fill_min_m_pad=64, staged_store=True, wgmma2_min_m_pad=64)
 
 
 def weight_box(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -860,7 +872,7 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
     one CTA per SM takes its SMs alone (exclusive_sm); at M_PADS[-1], the
     deep ring with two wgmma in flight where each CTA streams at least options.deep_ring_blocks blocks and the
     decomposition stays the same; ring_fill only where the partials lie beside the ring and M pads to at least
-    ring_fill_min_m_pad.
+    ring_fill_min_m_pad; a second wgmma in flight where M pads to at least wgmma2_min_m_pad.
     capacity: the GPU's cluster_capacity, needed when options.cluster_fit.
 
     Why not early: with the trigger at CTA start, the next launch's CTAs take the second slot of SMs this launch
@@ -880,6 +892,8 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
         resolved = resolved._replace(partials_beside=False)  # likewise
     if not resolved.partials_beside or m_pad(M) < options.ring_fill_min_m_pad:
         resolved = resolved._replace(ring_fill=False)  # likewise
+    if options.wgmma2_min_m_pad and m_pad(M) >= options.wgmma2_min_m_pad:
+        resolved = resolved._replace(wgmma_in_flight=2)
     return resolved
 
 
