@@ -304,10 +304,11 @@ class KernelOptions(NamedTuple):
         one stage late), so the tensor cores never wait for the warpgroup's round trip.
     wgmma2_min_m_pad: the two-in-flight policy: options_for() gives every build whose M pads to at least this (one of
         M_PADS) wgmma_in_flight=2 on whatever ring it has; 0: none (the deep-ring policy still gives it to its
-        builds). Shipped at 64 (M 33-64): sweep runs 45-47 on an H100 (docs/linear.md), 4096x14336 M=64 40.70-40.93
+        builds). Shipped at 64 (M 33-64): sweep runs 45-48 on an H100 (docs/linear.md), 4096x14336 M=64 40.70-40.93
         against 41.57-41.66 us back to back and 42.36-42.98 against 43.86-44.16 us in situ, 1024x4096 M=64 6.09
         against 7.27 us; the other M=64 cells within 0.4 % back to back, and 3.5-4.0 % faster in situ at 4096x4096 and
-        6144x4096; at M=32 it lost (1024x4096 4.71 against 4.47 us, 10240x8192 59.22 against 58.14 us).
+        6144x4096; at M=32 it lost (1024x4096 4.71 against 4.47 us, 10240x8192 59.22 against 58.14 us). Run 48, at M=33
+        and 64 on 7 shapes: geomean 1.113x against 1.083x back to back, 1.038x against 1.002x in situ.
     descriptor_prefetch: "": the TMA warp acquires the weight descriptor just before its first load, and the TMA unit
         fetches it then. "entry" (shipped): the TMA warp also issues prefetch.tensormap at kernel entry, before the
         barriers are set up, so the fetch overlaps the set-up; "entry-acquired": the fence and then the prefetch at
@@ -562,7 +563,7 @@ class KernelOptions(NamedTuple):
 # sweep-linear-h100-run4{0,1}.*): one-CTA-per-tile builds storing y through shared memory in 16-byte runs
 # (staged_store) took 10240x8192 M=64's tail from 1.14 to 0.69 us and gained up to 1.7 % at M 32-64 on 28672x4096 and
 # 10240x8192; see staged_store. Stop 35's H200 grid (docs/results/linear-h200.csv) is the first with it. Sweep runs
-# 45-47 (an H100): a second wgmma in flight on every M=64 ring (wgmma2_min_m_pad), not only the deep one; see its
+# 45-48 (an H100): a second wgmma in flight on every M=64 ring (wgmma2_min_m_pad), not only the deep one; see its
 # docstring.
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                                 cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
