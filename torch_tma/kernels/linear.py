@@ -32,9 +32,10 @@ How (160 threads per CTA; KernelOptions.consumer_warpgroups=2, a measured altern
   it is read once; x through the atom's own descriptor) into a ring of as many stages as half an SM's shared
   memory holds (KernelOptions.smem_share=2, chosen by measurement: see DEFAULT_OPTIONS); warps 0-3 run wgmma,
   release each stage, and do the fix-up and epilogue, so loads keep flowing while a tile is written out (a CTA that
-  stores a whole tile's y stages it in its drained ring and writes 16-byte runs: KernelOptions.staged_store). At M=64,
-  a launch whose CTAs each stream many blocks (KernelOptions.deep_ring_blocks) takes the whole SM's shared memory
-  for the ring and keeps a second stage's wgmma in flight: those runs are limited by the consumer.
+  stores a whole tile's y stages it in its drained ring and writes 16-byte runs: KernelOptions.staged_store). At M=64
+  every launch keeps a second stage's wgmma in flight (KernelOptions.wgmma2_min_m_pad), and a launch whose CTAs each
+  stream many blocks (KernelOptions.deep_ring_blocks) takes the whole SM's shared memory for the ring: those runs are
+  limited by the consumer.
 - Programmatic dependent launch: weight blocks are loaded before griddepcontrol.wait, x and every output
   after it, so the start overlaps the previous kernel when that one lets it. A launch lets the next one start at
   its CTAs' exit, or, where it takes at most three quarters of the SMs (KernelOptions.exclusive_trigger_grid), once
@@ -308,7 +309,8 @@ class KernelOptions(NamedTuple):
         against 41.57-41.66 us back to back and 42.36-42.98 against 43.86-44.16 us in situ, 1024x4096 M=64 6.09
         against 7.27 us; the other M=64 cells within 0.4 % back to back, and 3.5-4.0 % faster in situ at 4096x4096 and
         6144x4096; at M=32 it lost (1024x4096 4.71 against 4.47 us, 10240x8192 59.22 against 58.14 us). Run 48, at M=33
-        and 64 on 7 shapes: geomean 1.113x against 1.083x back to back, 1.038x against 1.002x in situ.
+        and 64 on 7 shapes: geomean 1.113x against 1.083x back to back, 1.038x against 1.002x in situ; it lost
+        6144x4096 M=64 (19.09 against 18.87 us) and 4096x4096 M=33 (13.66 against 13.53 us) back to back.
     descriptor_prefetch: "": the TMA warp acquires the weight descriptor just before its first load, and the TMA unit
         fetches it then. "entry" (shipped): the TMA warp also issues prefetch.tensormap at kernel entry, before the
         barriers are set up, so the fetch overlaps the set-up; "entry-acquired": the fence and then the prefetch at
