@@ -5,8 +5,8 @@
 
 (--variant and --in-situ repeat: --variant shipped --variant no-lead.)
 
-For each variant (the shipped defaults, where cluster and one-CTA-per-tile launches of at most three quarters of the
-SMs trigger the next launch once the TMA warp has issued its last weight load (at M <= 16 three loads before it,
+For each variant (the shipped defaults, where cluster and one-CTA-per-tile launches of at most three quarters of the SMs
+trigger the next launch once the TMA warp has issued its last weight load (at M <= 16 three loads before it,
 KernelOptions.trigger_lead), but for long runs on the half-SM ring (KernelOptions.exclusive_trigger_grid,
 exclusive_max_blocks), and every such launch that fits one CTA per SM asks for more than half an SM's shared memory, so
 the next launch's CTAs start only on SMs it leaves free, and keeps the partials its CTAs receive in the half of the SM
@@ -20,32 +20,32 @@ cluster split reducing on CTA 0, as shipped before sweep run 24 (shipped now: ev
 KernelOptions.cluster_scatter); "ring-partials": every cluster build's partials in the receiver's drained ring
 (KernelOptions.own_partial_bytes=0); "no-beside": launches alone on their SMs receive partials above OWN_PARTIAL_BYTES
 in their drained ring, as before sweep run 26 (shipped since: in a buffer in the SM's other half,
-KernelOptions.partials_beside); "no-beside-small": smaller partials in a buffer inside the ring's share, as before
-sweep run 27 (shipped since: beside it too, the ring gaining their stages, KernelOptions.beside_small); "half-grid": at
-most 2 CTAs per row tile (cluster_max_k=2); "x-evict-last": x loads marked evict-last in L2; "full-ring": the whole
-SM's shared memory for the ring; "full-ring-wgmma2": that and a second stage's wgmma in flight (at every M; shipped
-only for M=64 runs of 100 blocks or more, KernelOptions.deep_ring_blocks); "wgmma2": a second stage's wgmma in flight
-on the shipped rings at every M (shipped at M 33-64, KernelOptions.wgmma2_min_m_pad); "no-wgmma2-64": at M=64 only on
-the deep ring, as before stop 36; "no-deep-ring": M=64 long runs on the half-SM ring (two wgmma in flight, as every
-M=64 build); "stream-k": stream-K at every shape (every SM streams an equal run, so every GPC a share in proportion to
-its SMs); "stream-k-deep": that with the whole SM's ring and two wgmma in flight;
-"fill": launches with their partials beside the ring give it all the shared memory the partials leave at every M
-(KernelOptions.ring_fill; shipped: for m_pad 64, M 33-64); "no-fill": at no M, as before sweep run 32; "direct": builds
-of one CTA per row tile store y one output at a time, as before sweep run 41 (shipped since: through shared memory in
-coalesced 16-byte runs, KernelOptions.staged_store); "two-wg": two consumer warpgroups of 64 weight rows each;
-"two-wg-full-ring-wgmma2": that and the full ring with two wgmma in flight; earlier runs also swept the weight loaded
-without the L2 evict-first hint, the release form of the cluster barrier's entry arrive, the descriptor prefetch, the
-TMA atom's kernel-parameter descriptor instead of torch_tma's, stream-K, clusters that do not all run at once, the
-cluster split's bounds, a second wgmma in flight on the half-SM ring, PDL, the descriptor fence scope, shares of the
-shared memory and two CTAs per SM, and options since taken out of the kernel (x multicast, a bounded steady depth, a
-deep ring chosen per CTA, a smaller first request, the trigger from the MMA warps; the code that ran them is commit
-2dc719b): see docs/linear.md; every variant is built from the current DEFAULT_OPTIONS, so at M 33-64 on long runs
-"full-ring", "x-evict-last" and "two-wg" now get the deep ring too), each shape N x K in SHAPES (or --shapes) and M in
-MS (or --ms) (bf16, no bias): first validate the variant's output against the float64 reference (|ours - ref64| <= 2
-|F.linear - ref64| + eps * max|ref64|, output poisoned with NaN before the launch), then time it as CUDA events around
-replays of one CUDA graph of back-to-back calls, each on the next of several weight copies (together ~7x the 60 MB L2).
-cuBLAS (F.linear) is timed the same way in the same run. Variants launch the compiled kernel directly with their own
-split-K workspace, so the host path (linear_out) is not involved.
+KernelOptions.partials_beside); "no-beside-small": smaller partials in a buffer inside the ring's share, as before sweep
+run 27 (shipped since: beside it too, the ring gaining their stages, KernelOptions.beside_small); "half-grid": at most 2
+CTAs per row tile (cluster_max_k=2); "x-evict-last": x loads marked evict-last in L2; "full-ring": the whole SM's shared
+memory for the ring; "full-ring-wgmma2": that and a second stage's wgmma in flight (at every M; shipped only for M=64
+runs of 100 blocks or more, KernelOptions.deep_ring_blocks); "wgmma2": a second stage's wgmma in flight on the shipped
+rings at every M (shipped at M 33-64, KernelOptions.wgmma2_min_m_pad); "no-wgmma2-64": at M=64 only on the deep ring, as
+before stop 36; "no-deep-ring": M=64 long runs on the half-SM ring (two wgmma in flight, as every M=64 build);
+"stream-k": stream-K at every shape (every SM streams an equal run, so every GPC a share in proportion to its SMs);
+"stream-k-deep": that with the whole SM's ring and two wgmma in flight; "fill": launches with their partials beside the
+ring give it all the shared memory the partials leave at every M (KernelOptions.ring_fill; shipped: for m_pad 64, M
+33-64); "no-fill": at no M, as before sweep run 32; "direct": builds of one CTA per row tile store y one output at a
+time, as before sweep run 41 (shipped since: through shared memory in coalesced 16-byte runs,
+KernelOptions.staged_store); "two-wg": two consumer warpgroups of 64 weight rows each; "two-wg-full-ring-wgmma2": that
+and the full ring with two wgmma in flight; earlier runs also swept the weight loaded without the L2 evict-first hint,
+the release form of the cluster barrier's entry arrive, the descriptor prefetch, the TMA atom's kernel-parameter
+descriptor instead of torch_tma's, stream-K, clusters that do not all run at once, the cluster split's bounds, a second
+wgmma in flight on the half-SM ring, PDL, the descriptor fence scope, shares of the shared memory and two CTAs per SM,
+and options since taken out of the kernel (x multicast, a bounded steady depth, a deep ring chosen per CTA, a smaller
+first request, the trigger from the MMA warps; the code that ran them is commit 2dc719b): see docs/linear.md; every
+variant is built from the current DEFAULT_OPTIONS, so at M 33-64 on long runs "full-ring", "x-evict-last" and "two-wg"
+now get the deep ring too), each shape N x K in SHAPES (or --shapes) and M in MS (or --ms) (bf16, no bias): first
+validate the variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|,
+output poisoned with NaN before the launch), then time it as CUDA events around replays of one CUDA graph of
+back-to-back calls, each on the next of several weight copies (together ~7x the 60 MB L2). cuBLAS (F.linear) is timed
+the same way in the same run. Variants launch the compiled kernel directly with their own split-K workspace, so the host
+path (linear_out) is not involved.
 
 "In situ" (the IN_SITU variants, or those named by --in-situ, and cuBLAS): the same graph with a small elementwise
 kernel on x before every call (x *= 1), as in a model where a norm or an activation feeds each linear layer; the time

@@ -8,9 +8,10 @@ of its PTX (comment lines left out), compiled on the CPU for sm_90a (no GPU need
 
 Diff two outputs: the builds whose line differs are the ones the change compiles differently. --tree imports
 torch_tma and benchmarks/sweep_linear.py from that checkout instead of this one (its compiled extension must be
-there, e.g. copied from this one's torch_tma/; the script refuses a tree its imports did not come from). Builds are linear.options_for(variant, ...) resolved for an H200 (132
-SMs and its cluster capacities), as the op picks them there; variants are sweep_linear.variants' names ("shipped":
-DEFAULT_OPTIONS). A build that the options refuse prints its error instead of a hash.
+there, e.g. copied from this one's torch_tma/; the script refuses a tree its imports did not come from). Builds are
+linear.options_for(variant, ...) resolved for an H200 (132 SMs and its cluster capacities), as the op picks them
+there; variants are sweep_linear.variants' names ("shipped": DEFAULT_OPTIONS). A build that the options refuse prints
+its error instead of a hash.
 """
 
 import argparse
