@@ -305,7 +305,7 @@ class KernelOptions(NamedTuple):
         one stage late), so the tensor cores never wait for the warpgroup's round trip.
     wgmma2_min_m_pad: the two-in-flight policy: options_for() gives every build whose M pads to at least this (one of
         M_PADS) wgmma_in_flight=2 on whatever ring it has; 0: none (the deep-ring policy still gives it to its
-        builds). Shipped at 64 (M 33-64): sweep runs 45-48 on an H100 (docs/linear.md), 4096x14336 M=64 40.70-40.93
+        builds). Shipped at 64 (M 33-64): sweep runs 45-47 on an H100 (docs/linear.md), 4096x14336 M=64 40.70-40.93
         against 41.57-41.66 us back to back and 42.36-42.98 against 43.86-44.16 us in situ, 1024x4096 M=64 6.09
         against 7.27 us; the other M=64 cells within 0.4 % back to back, and 3.5-4.0 % faster in situ at 4096x4096 and
         6144x4096; at M=32 it lost (1024x4096 4.71 against 4.47 us, 10240x8192 59.22 against 58.14 us). Run 48, at M=33
