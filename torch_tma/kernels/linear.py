@@ -136,8 +136,8 @@ _CLUSTER_SCOPE = nvvm.MemScopeKind.CLUSTER  # a remote mbarrier arrive that rele
 # Weight descriptor L2 promotion where a call names none. benchmarks/bench_linear.py sweeps NONE/64B/128B/256B
 # (timed in turns) at M in {1, 16, 64} on 7 shapes; this follows the measurement. On the H200, 256B was never faster
 # than 128B (up to 6.4 % slower in stop 26's grid, docs/results/linear-h200-before-staged-store.log; 7.0 % in stop
-# 35's, linear-h200.log), and NONE and 64B were within 0.7 % (0.8 %): 128B. GPU models whose grids found otherwise
-# are in MEASURED_L2_PROMOTION.
+# 35's, linear-h200-stop35.log; 6.9 % in stop 41's, linear-h200.log), and NONE and 64B were within 0.7 % of it (0.8 %;
+# 0.9 % in stop 41's): 128B. GPU models whose grids found otherwise are in MEASURED_L2_PROMOTION.
 DEFAULT_L2_PROMOTION = L2Promotion.L2_128B
 
 # GPU model (torch.cuda.get_device_name) -> (weight bytes from which, promotion): where that model's grids found
@@ -310,7 +310,10 @@ class KernelOptions(NamedTuple):
         against 7.27 us; the other M=64 cells within 0.4 % back to back, and 3.5-4.0 % faster in situ at 4096x4096 and
         6144x4096; at M=32 it lost (1024x4096 4.71 against 4.47 us, 10240x8192 59.22 against 58.14 us). Run 48, at M=33
         and 64 on 7 shapes: geomean 1.113x against 1.083x back to back, 1.038x against 1.002x in situ; it lost
-        6144x4096 M=64 (19.09 against 18.87 us) and 4096x4096 M=33 (13.66 against 13.53 us) back to back.
+        6144x4096 M=64 (19.09 against 18.87 us) and 4096x4096 M=33 (13.66 against 13.53 us) back to back. On an H200
+        (run 49, the same cells): 1.068x against 1.038x back to back, 0.994x against 0.961x in situ (1024x4096 M=64
+        6.11 against 7.69 us); it lost 14336x4096 M=64 both ways (32.14 against 30.67 us back to back, 32.30 against
+        30.91 in situ) and 6144x4096 M=33-64 back to back (15.50 against 15.23 us at M=64).
     descriptor_prefetch: "": the TMA warp acquires the weight descriptor just before its first load, and the TMA unit
         fetches it then. "entry" (shipped): the TMA warp also issues prefetch.tensormap at kernel entry, before the
         barriers are set up, so the fetch overlaps the set-up; "entry-acquired": the fence and then the prefetch at
@@ -564,9 +567,9 @@ class KernelOptions(NamedTuple):
 # Trace runs 24-25 and sweep runs 40-41 (an H100; docs/results/trace-linear-h100-run2{4,5}.*,
 # sweep-linear-h100-run4{0,1}.*): one-CTA-per-tile builds storing y through shared memory in 16-byte runs
 # (staged_store) took 10240x8192 M=64's tail from 1.14 to 0.69 us and gained up to 1.7 % at M 32-64 on 28672x4096 and
-# 10240x8192; see staged_store. Stop 35's H200 grid (docs/results/linear-h200.csv) is the first with it. Sweep runs
-# 45-48 (an H100): a second wgmma in flight on every M=64 ring (wgmma2_min_m_pad), not only the deep one; see its
-# docstring.
+# 10240x8192; see staged_store. Stop 35's H200 grid (docs/results/linear-h200-stop35.csv) is the first with it. Sweep
+# runs 45-48 (an H100) and 49 (an H200): a second wgmma in flight on every M=64 ring (wgmma2_min_m_pad), not only the
+# deep one; see its docstring. Stop 41's H200 grid (docs/results/linear-h200.csv) is the first with it.
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                                 cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
                                 weight_eviction="first", exclusive_trigger_grid=0.75, exclusive_max_blocks=100,
