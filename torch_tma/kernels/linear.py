@@ -313,7 +313,8 @@ class KernelOptions(NamedTuple):
         6144x4096 M=64 (19.09 against 18.87 us) and 4096x4096 M=33 (13.66 against 13.53 us) back to back. On an H200
         (run 49, the same cells): 1.068x against 1.038x back to back, 0.994x against 0.961x in situ (1024x4096 M=64
         6.11 against 7.69 us); it lost 14336x4096 M=64 both ways (32.14 against 30.67 us back to back, 32.30 against
-        30.91 in situ) and 6144x4096 M=33-64 back to back (15.50 against 15.23 us at M=64).
+        30.91 in situ), 6144x4096 M=33-64 back to back (15.50 against 15.23 us at M=64) and, by 0.3-1.1 %, 28672x4096
+        and 14336x4096 at M=33 and 4096x4096 M=33 back to back.
     descriptor_prefetch: "": the TMA warp acquires the weight descriptor just before its first load, and the TMA unit
         fetches it then. "entry" (shipped): the TMA warp also issues prefetch.tensormap at kernel entry, before the
         barriers are set up, so the fetch overlaps the set-up; "entry-acquired": the fence and then the prefetch at
