@@ -621,6 +621,16 @@ def test_deep_ring_policy(tmp_path):
     assert linear._blocks_per_cta(28672, 4096, 132, linear.options_for(shipped, 28672, 4096, 64, *H200)) == 64
     assert linear.options_for(shipped._replace(deep_ring_blocks=64), 28672, 4096, 64, *H200).smem_share == 2
     assert linear.options_for(shipped._replace(deep_ring_blocks=64), 14336, 4096, 64, *H200).smem_share == 1
+    # deep_ring_tile_blocks: a lower bound for launches of one CTA per row tile only
+    tile64 = shipped._replace(deep_ring_tile_blocks=64)
+    assert shipped.deep_ring_tile_blocks == 0
+    assert (linear.options_for(tile64, 14336, 4096, 64, *H200).smem_share,
+            linear.options_for(tile64, 14336, 4096, 64, *H200).wgmma_in_flight) == (1, 2)
+    assert linear.options_for(tile64, 14336, 4096, 32, *H200).smem_share == 2
+    assert linear.options_for(tile64, 4096, 14336, 64, *H200).smem_share == 2  # 3 CTAs per tile: 100 blocks
+    assert linear.options_for(tile64, 28672, 4096, 64, *H200).smem_share == 2  # the full ring would be stream-K
+    with pytest.raises(ValueError, match="deep_ring_tile_blocks"):
+        shipped._replace(deep_ring_tile_blocks=-1).check()
     with pytest.raises(ValueError, match="deep_ring_blocks"):
         shipped._replace(deep_ring_blocks=-1).check()
     # the deep builds compile, and their ring fills the SM
@@ -922,13 +932,15 @@ def _launch_each(x, weight, b, builds, workspace, sm_count):
 @pytest.mark.parametrize("warpgroups", [1, 2], ids=lambda w: f"wg{w}")
 @pytest.mark.parametrize("cluster_k", range(2, linear.MAX_CLUSTER_K + 1), ids=lambda c: f"k{c}")
 def test_cluster_scatter_matches_reduce_bitwise(cluster_k, warpgroups):
-    """The reduce-scatter (cluster_scatter) makes the same additions in the same rank order as CTA 0's reduction, so
-    on fresh random data, M around every m_pad whose partials fit (in a buffer of their own or in the ring, some ranks
-    owning no piece where a thread has fewer pieces than the cluster has CTAs), with bias at odd M, y is bit for bit the same, and it matches the float64
-    reference; y poisoned with NaN before each launch."""
+    """The reduce-scatter (cluster_scatter), with equal shares and with the last rank owning every piece
+    (scatter_last_max_m_pad), makes the same additions in the same rank order as CTA 0's reduction, so on fresh random
+    data, M around every m_pad whose partials fit (in a buffer of their own or in the ring, some ranks owning no piece
+    where a thread has fewer pieces than the cluster has CTAs), with bias at odd M, y is bit for bit the same, and it
+    matches the float64 reference; y poisoned with NaN before each launch."""
     reduce = linear.DEFAULT_OPTIONS._replace(smem_share=2, cluster_split=2, cluster_fit=False, cluster_k=cluster_k,
                                              consumer_warpgroups=warpgroups, cluster_scatter=False)
     scatter = reduce._replace(cluster_scatter=True)
+    to_last = scatter._replace(scatter_last_max_m_pad=linear.M_PADS[-1])
     workspace = linear._workspace(0)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     checked = 0
@@ -937,9 +949,10 @@ def test_cluster_scatter_matches_reduce_bitwise(cluster_k, warpgroups):
             if cluster_k > -(-k // linear.TILE_K) or not linear._fits_cluster(linear.m_pad(m), cluster_k, 2):
                 continue
             x, weight, b = _random(m, n, k, torch.bfloat16, m % 2 == 1)
-            outs = _launch_each(x, weight, b, (reduce, scatter), workspace, sm_count)
-            _check(outs[1], x, weight, b, f"scatter cluster_k={cluster_k} {n}x{k} M={m}")
-            assert torch.equal(outs[0], outs[1]), f"cluster_k={cluster_k} {n}x{k} M={m}: scatter differs from reduce"
+            outs = _launch_each(x, weight, b, (reduce, scatter, to_last), workspace, sm_count)
+            for name, out in (("scatter", outs[1]), ("scatter to the last rank", outs[2])):
+                _check(out, x, weight, b, f"{name} cluster_k={cluster_k} {n}x{k} M={m}")
+                assert torch.equal(outs[0], out), f"cluster_k={cluster_k} {n}x{k} M={m}: {name} differs from reduce"
             checked += 1
     assert checked >= 6, checked
 
@@ -1111,6 +1124,28 @@ def test_scatter_shares():
             assert max(runs) - min(runs) <= 1 and sum(runs) == pieces
             assert all(first[owner[q]] <= q < first[owner[q] + 1] for q in range(pieces))
     assert linear.scatter_shares(2, 3) == ([0, 0, 1, 2], [1, 2])
+    # scatter_last_max_m_pad: the last rank owns every piece
+    assert linear.scatter_shares(4, 3, to_last=True) == ([0, 0, 0, 4], [2, 2, 2, 2])
+    assert linear.scatter_shares(2, 2, to_last=True) == ([0, 0, 2], [1, 1])
+
+
+def test_scatter_last_policy(tmp_path):
+    """options_for keeps scatter_last_max_m_pad (not shipped) only on cluster_scatter builds whose M pads to at most
+    it (one build elsewhere); such a build sends every piece of a thread's partial to the last rank from each other
+    rank (one st.async site per piece, as the equal cut), and the option's bound is checked."""
+    last = linear.DEFAULT_OPTIONS._replace(scatter_last_max_m_pad=16)
+    assert linear.DEFAULT_OPTIONS.scatter_last_max_m_pad == 0
+    for m, kept in ((1, 16), (16, 16), (17, 0), (64, 0)):
+        assert linear.options_for(last, 4096, 4096, m, *H200).scatter_last_max_m_pad == kept, m
+    # one CTA per row tile and stream-K: nothing to scatter
+    assert linear.options_for(last, 10240, 8192, 1, *H200).scatter_last_max_m_pad == 0
+    assert linear.options_for(last, 57344, 8192, 1, *H200).scatter_last_max_m_pad == 0
+    options = linear.options_for(last, 4096, 4096, 16, *H200)
+    assert options.cluster_k == 3 and options.cluster_scatter
+    ptx, _ = _ptx_and_cubin(torch.bfloat16, 16, False, tmp_path, options)
+    assert len(ST_ASYNC_SEND.findall(ptx)) == linear.TILE_N * 16 // options.mma_threads // 4
+    with pytest.raises(ValueError, match="scatter_last_max_m_pad"):
+        linear.DEFAULT_OPTIONS._replace(scatter_last_max_m_pad=12).check()
 
 
 @on_gpu

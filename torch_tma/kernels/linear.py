@@ -227,6 +227,17 @@ class KernelOptions(NamedTuple):
         Shipped: sweep run 24 (docs/linear.md), geomean 1.198x against 1.185x back to back and 1.071x against 1.051x
         in situ over 25 cells; 1024x4096 M=32 4.39 against 5.46 us; it lost 6144x4096 M=32 back to back (15.05
         against 14.32 us).
+    scatter_last_max_m_pad: in a cluster_scatter build whose M pads to at most this (one of M_PADS; 0: none), the
+        cluster's last rank owns every piece of the tile's outputs instead of equal shares: rank r streams blocks
+        r * k_blocks // cluster_k up to (r + 1) * k_blocks // cluster_k, so the last rank streams the most (4096x4096
+        on an H200: 22 blocks against 21) and ends its run last, and with equal shares the other owners wait for its
+        partial to cross the cluster (trace runs 12 and 26: at M=1 rank 1's tail 0.64-0.75 us against rank 2's
+        0.31-0.35). Owning all of them, it finds the others' partials already landed. The same additions in the same
+        rank order, so the same results. Not shipped: sweep run 51 (an H100, docs/linear.md) at 16 won back to back
+        (geomean 1.259x against 1.252x over 20 cells; 4096x4096 M=16 11.71 against 11.93 us) and lost in situ (1.101x
+        against 1.112x; 1024x4096 M=16, 8 CTAs per tile, 6.31 against 5.34 us). In sweep run 24, CTA 0 (which ends its
+        run first) summing and storing every output (cluster_reduce) took 8.76 / 8.91 / 9.30 us at 4096x4096 M=1 / 8 /
+        16 back to back against the equal cut's 8.81 / 8.92 / 9.40 (in situ at M=16 11.29 against 11.04).
     own_partial_bytes: a cluster-split build receives its partials in a buffer of their own beside the ring up to
         this many bytes ((cluster_k - 1) fp32 tiles of 128 x m_pad, the same rule with cluster_scatter), and in the
         receiver's drained weight ring above it (partials_in_ring): a buffer of its own lets a CTA send as soon as it
@@ -297,6 +308,12 @@ class KernelOptions(NamedTuple):
         each stage's wgmma waited for, 10240x8192's CTAs streamed for 42.5-43.9 us back to back (benchmarks/
         trace_linear.py, runs 8 and 9), with 9 stages and two in flight 34.3 us (run 8), while the deeper ring lands
         the first stage ~1.5 us later.
+    deep_ring_tile_blocks: the deep-ring policy's bound for launches of one CTA per row tile (cluster_k 1), where
+        it is not 0 (0: deep_ring_blocks for them too). Not shipped: its H200 sweep is still to run. Sweep run 50 (an
+        H100, docs/linear.md): the deep ring from 64 blocks took 14336x4096 M=64 (112 CTAs, 64 blocks each, 4 stages
+        on the half ring) to 40.20 against 40.91 us back to back and 40.18 against 40.83 in situ; for every launch
+        (deep_ring_blocks=64) it lost 4096x14336 M=64 (3 CTAs per tile, 74-75 blocks: 42.00 against 39.86 us back to
+        back), which this bound leaves on the half ring.
     consumer_warpgroups: warpgroups that run wgmma, 1 or 2. With 2, each takes 64 of a tile's 128 weight rows (one
         m64 wgmma per k step instead of two), both read the same x stage, and a stage is free once both have read
         it; the fix-up and y stores of a tile are split between them the same way. 2 * 128 + 32 threads per CTA.
@@ -366,6 +383,7 @@ class KernelOptions(NamedTuple):
     trigger_lead: int = 0
     trigger_lead_max_m_pad: int = M_PADS[-1]
     cluster_scatter: bool = False
+    scatter_last_max_m_pad: int = 0
     own_partial_bytes: int = OWN_PARTIAL_BYTES
     partials_beside: bool = False
     beside_small: bool = False
@@ -381,6 +399,7 @@ class KernelOptions(NamedTuple):
     wgmma2_min_m_pad: int = 0
     consumer_warpgroups: int = 1
     deep_ring_blocks: int = 0
+    deep_ring_tile_blocks: int = 0
     weight_descriptor: str = "cache"
     descriptor_prefetch: str = ""
     relaxed_cluster_arrive: bool = False
@@ -460,12 +479,16 @@ class KernelOptions(NamedTuple):
             raise ValueError(f"KernelOptions.own_partial_bytes must be >= 0, got {self.own_partial_bytes!r}")
         if self.exclusive_max_blocks < 0:
             raise ValueError(f"KernelOptions.exclusive_max_blocks must be >= 0, got {self.exclusive_max_blocks!r}")
-        if self.deep_ring_blocks < 0:
-            raise ValueError(f"KernelOptions.deep_ring_blocks must be >= 0, got {self.deep_ring_blocks!r}")
+        if self.deep_ring_blocks < 0 or self.deep_ring_tile_blocks < 0:
+            raise ValueError(f"KernelOptions.deep_ring_blocks and deep_ring_tile_blocks must be >= 0, got "
+                             f"{self.deep_ring_blocks!r}, {self.deep_ring_tile_blocks!r}")
         if self.consumer_warpgroups not in (1, 2):
             raise ValueError(f"KernelOptions.consumer_warpgroups must be 1 or 2, got {self.consumer_warpgroups!r}")
         if self.wgmma_in_flight not in (1, 2):
             raise ValueError(f"KernelOptions.wgmma_in_flight must be 1 or 2, got {self.wgmma_in_flight!r}")
+        if self.scatter_last_max_m_pad not in (0,) + M_PADS:
+            raise ValueError(f"KernelOptions.scatter_last_max_m_pad must be 0 or one of {M_PADS}, got "
+                             f"{self.scatter_last_max_m_pad!r}")
         if self.wgmma2_min_m_pad not in (0,) + M_PADS:
             raise ValueError(f"KernelOptions.wgmma2_min_m_pad must be 0 or one of {M_PADS}, got "
                              f"{self.wgmma2_min_m_pad!r}")
@@ -570,7 +593,9 @@ class KernelOptions(NamedTuple):
 # (staged_store) took 10240x8192 M=64's tail from 1.14 to 0.69 us and gained up to 1.7 % at M 32-64 on 28672x4096 and
 # 10240x8192; see staged_store. Stop 35's H200 grid (docs/results/linear-h200-stop35.csv) is the first with it. Sweep
 # runs 45-48 (an H100) and 49 (an H200): a second wgmma in flight on every M=64 ring (wgmma2_min_m_pad), not only the
-# deep one; see its docstring. Stop 41's H200 grid (docs/results/linear-h200.csv) is the first with it.
+# deep one; see its docstring. Stop 41's H200 grid (docs/results/linear-h200.csv) is the first with it. Sweep runs
+# 50-51 (an H100): the deep ring for one CTA per row tile from 64 blocks (deep_ring_tile_blocks) and the last rank
+# owning the reduce-scatter at M <= 16 (scatter_last_max_m_pad), not shipped; see their docstrings.
 DEFAULT_OPTIONS = KernelOptions(fence_scope="sys", pdl=True, weight_before_wait=True, smem_share=2, cluster_split=1,
                                 cluster_fit=True, descriptor_prefetch="entry", relaxed_cluster_arrive=True,
                                 weight_eviction="first", exclusive_trigger_grid=0.75, exclusive_max_blocks=100,
@@ -824,11 +849,12 @@ def partials_beside_ring(m_pad_: int, options: "KernelOptions") -> bool:
     return SMEM_RESERVED + ring + _cluster_partial_bytes(m_pad_, k) <= SMEM_BYTES
 
 
-def scatter_shares(pieces: int, cluster_k: int) -> tuple[list[int], list[int]]:
+def scatter_shares(pieces: int, cluster_k: int, to_last: bool = False) -> tuple[list[int], list[int]]:
     """The reduce-scatter's cut (KernelOptions.cluster_scatter) of a thread's `pieces` 4-value pieces over a cluster:
     (first, owner), rank r owning pieces first[r] .. first[r + 1] - 1 (equal runs in rank order; with fewer pieces
-    than ranks, some own none) and owner[q] the rank that owns piece q."""
-    first = [r * pieces // cluster_k for r in range(cluster_k + 1)]
+    than ranks, some own none; to_last: the last rank owns all, KernelOptions.scatter_last_max_m_pad) and owner[q]
+    the rank that owns piece q."""
+    first = [0] * cluster_k + [pieces] if to_last else [r * pieces // cluster_k for r in range(cluster_k + 1)]
     owner = [r for q in range(pieces) for r in range(cluster_k) if first[r] <= q < first[r + 1]]
     return first, owner
 
@@ -877,9 +903,11 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
     and its run is not a long one on a half-SM ring, trigger_lead loads before the last where M pads to at most
     trigger_lead_max_m_pad; with exclusive_trigger_grid above 0, such a build whose grid fits
     one CTA per SM takes its SMs alone (exclusive_sm); at M_PADS[-1], the
-    deep ring with two wgmma in flight where each CTA streams at least options.deep_ring_blocks blocks and the
+    deep ring with two wgmma in flight where each CTA streams at least options.deep_ring_blocks blocks
+    (deep_ring_tile_blocks for a launch of one CTA per row tile, where set) and the
     decomposition stays the same; ring_fill only where the partials lie beside the ring and M pads to at least
-    ring_fill_min_m_pad; a second wgmma in flight where M pads to at least wgmma2_min_m_pad.
+    ring_fill_min_m_pad; the last rank owning the reduce-scatter's pieces only in cluster_scatter builds where M pads
+    to at most scatter_last_max_m_pad; a second wgmma in flight where M pads to at least wgmma2_min_m_pad.
     capacity: the GPU's cluster_capacity, needed when options.cluster_fit.
 
     Why not early: with the trigger at CTA start, the next launch's CTAs take the second slot of SMs this launch
@@ -888,8 +916,9 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
     exit; docs/linear.md). Stream-K launches keep it: they need the overlap to hide their fix-up.
     """
     resolved = _split_for(options, N, K, M, sm_count, capacity)
-    if options.deep_ring_blocks and m_pad(M) == M_PADS[-1] and (
-            _blocks_per_cta(N, K, sm_count, resolved) >= options.deep_ring_blocks):
+    deep_blocks = (options.deep_ring_tile_blocks if resolved.cluster_k == 1 and options.deep_ring_tile_blocks
+                   else options.deep_ring_blocks)
+    if deep_blocks and m_pad(M) == M_PADS[-1] and _blocks_per_cta(N, K, sm_count, resolved) >= deep_blocks:
         deep = _split_for(options._replace(smem_share=1, wgmma_in_flight=2), N, K, M, sm_count, capacity)
         if deep.cluster_k == resolved.cluster_k:  # with ctas_per_sm unchanged, the same grid (grid_size)
             resolved = deep
@@ -899,6 +928,8 @@ def options_for(options: "KernelOptions", N: int, K: int, M: int, sm_count: int,
         resolved = resolved._replace(partials_beside=False)  # likewise
     if not resolved.partials_beside or m_pad(M) < options.ring_fill_min_m_pad:
         resolved = resolved._replace(ring_fill=False)  # likewise
+    if not (resolved.cluster_k > 1 and resolved.cluster_scatter) or m_pad(M) > options.scatter_last_max_m_pad:
+        resolved = resolved._replace(scatter_last_max_m_pad=0)  # likewise
     if options.wgmma2_min_m_pad and m_pad(M) >= options.wgmma2_min_m_pad:
         resolved = resolved._replace(wgmma_in_flight=2)
     return resolved
@@ -985,6 +1016,8 @@ class WeightStreamingLinear:
         # their own or in its drained weight ring (partials_in_ring); other builds keep a 16-byte stub (a struct
         # member cannot be empty)
         self.cluster_elems = (options.cluster_k - 1) * self.partial_elems if options.cluster_k > 1 else 4
+        # the reduce-scatter's cut: the last rank owns every piece (scatter_last_max_m_pad) or equal shares
+        self.scatter_to_last = 0 < m_pad_ <= options.scatter_last_max_m_pad
         self.beside = partials_beside_ring(m_pad_, options)
         self.in_ring = (options.cluster_k > 1 and not self.beside
                         and partials_in_ring(m_pad_, options.cluster_k, options.own_partial_bytes))
@@ -1135,7 +1168,10 @@ class WeightStreamingLinear:
                 # their rings are drained
                 if tidx == 0:
                     pieces = self.values // 4
-                    share = (rank + 1) * pieces // cluster_k - rank * pieces // cluster_k
+                    if cutlass.const_expr(self.scatter_to_last):
+                        share = pieces * Int32(rank == cluster_k - 1)
+                    else:
+                        share = (rank + 1) * pieces // cluster_k - rank * pieces // cluster_k
                     cute.arch.mbarrier_init(storage.cluster_barrier.data_ptr(), 1)
                     if cutlass.const_expr(self.in_ring):
                         cute.arch.mbarrier_init(storage.drained_barrier.data_ptr(), cluster_k - 1)
@@ -1493,7 +1529,7 @@ class WeightStreamingLinear:
         rank = cute.arch.block_idx_in_cluster()
         cluster_k = self.options.cluster_k
         pieces = self.values // 4
-        first, owner = scatter_shares(pieces, cluster_k)
+        first, owner = scatter_shares(pieces, cluster_k, self.scatter_to_last)
         slot = max(first[r + 1] - first[r] for r in range(cluster_k)) * 4 * self.mma_threads
         self.delay_first_cta(rank)
         if cutlass.const_expr(self.in_ring):
