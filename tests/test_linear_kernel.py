@@ -627,7 +627,7 @@ def test_deep_ring_policy(tmp_path):
     assert (linear.options_for(tile64, 14336, 4096, 64, *H200).smem_share,
             linear.options_for(tile64, 14336, 4096, 64, *H200).wgmma_in_flight) == (1, 2)
     assert linear.options_for(tile64, 14336, 4096, 32, *H200).smem_share == 2
-    assert linear.options_for(tile64, 4096, 14336, 64, *H200).smem_share == 2  # 3 CTAs per tile: 100 blocks
+    assert linear.options_for(tile64, 4096, 14336, 64, *H200).smem_share == 2  # 3 CTAs per tile: deep_ring_blocks
     assert linear.options_for(tile64, 28672, 4096, 64, *H200).smem_share == 2  # the full ring would be stream-K
     with pytest.raises(ValueError, match="deep_ring_tile_blocks"):
         shipped._replace(deep_ring_tile_blocks=-1).check()

@@ -232,12 +232,12 @@ class KernelOptions(NamedTuple):
         r * k_blocks // cluster_k up to (r + 1) * k_blocks // cluster_k, so the last rank streams the most (4096x4096
         on an H200: 22 blocks against 21) and ends its run last, and with equal shares the other owners wait for its
         partial to cross the cluster (trace runs 12 and 26: at M=1 rank 1's tail 0.64-0.75 us against rank 2's
-        0.31-0.35). Owning all of them, it finds the others' partials already landed. The same additions in the same
+        0.30-0.35). Owning all of them, it finds the others' partials already landed. The same additions in the same
         rank order, so the same results. Not shipped: sweep run 51 (an H100, docs/linear.md) at 16 won back to back
         (geomean 1.259x against 1.252x over 20 cells; 4096x4096 M=16 11.71 against 11.93 us) and lost in situ (1.101x
-        against 1.112x; 1024x4096 M=16, 8 CTAs per tile, 6.31 against 5.34 us). In sweep run 24, CTA 0 (which ends its
-        run first) summing and storing every output (cluster_reduce) took 8.76 / 8.91 / 9.30 us at 4096x4096 M=1 / 8 /
-        16 back to back against the equal cut's 8.81 / 8.92 / 9.40 (in situ at M=16 11.29 against 11.04).
+        against 1.112x; 1024x4096 M=16, 8 CTAs per tile, 6.31 against 5.34 us). In sweep run 24, CTA 0 summing and
+        storing every output (cluster_reduce) took 8.76 / 8.91 / 9.30 us at 4096x4096 M=1 / 8 / 16 back to back against
+        the equal cut's 8.81 / 8.92 / 9.40 (in situ at M=16 11.29 against 11.04).
     own_partial_bytes: a cluster-split build receives its partials in a buffer of their own beside the ring up to
         this many bytes ((cluster_k - 1) fp32 tiles of 128 x m_pad, the same rule with cluster_scatter), and in the
         receiver's drained weight ring above it (partials_in_ring): a buffer of its own lets a CTA send as soon as it
