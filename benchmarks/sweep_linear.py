@@ -27,16 +27,15 @@ memory for the ring; "full-ring-wgmma2": that and a second stage's wgmma in flig
 runs of 100 blocks or more, KernelOptions.deep_ring_blocks); "wgmma2": a second stage's wgmma in flight on the shipped
 rings at every M (shipped at M 33-64, KernelOptions.wgmma2_min_m_pad); "no-wgmma2-64": at M=64 only on the deep ring, as
 before stop 36; "no-deep-ring": M=64 long runs on the half-SM ring (two wgmma in flight, as every M=64 build);
-"deep-64": the deep ring from 64 blocks per CTA (shipped: 100, KernelOptions.deep_ring_blocks); "deep-tile-64": that
-for launches of one CTA per row tile only (KernelOptions.deep_ring_tile_blocks); "scatter-last" and "scatter-last-64":
-the cluster's last rank owns every piece of the reduce-scatter at M <= 16 and at every M (shipped: equal shares,
+"deep-64": the deep ring from 64 blocks per CTA (shipped: 100, KernelOptions.deep_ring_blocks); "deep-tile-64": that for
+launches of one CTA per row tile only (KernelOptions.deep_ring_tile_blocks); "scatter-last" and "scatter-last-64": the
+cluster's last rank owns every piece of the reduce-scatter at M <= 16 and at every M (shipped: equal shares,
 KernelOptions.scatter_last_max_m_pad; "equal-shares" named the shipped cut in sweep run 51, where "shipped" was
-"scatter-last"); "stream-k": stream-K
-at every shape (every SM streams an equal run, so every GPC a share in proportion to its SMs); "stream-k-deep": that
-with the whole SM's ring and two wgmma in flight; "fill": launches with their partials beside the ring give it all the
-shared memory the partials leave at every M (KernelOptions.ring_fill; shipped: for m_pad 64, M
-33-64); "no-fill": at no M, as before sweep run 32; "direct": builds of one CTA per row tile store y one output at a
-time, as before sweep run 41 (shipped since: through shared memory in coalesced 16-byte runs,
+"scatter-last"); "stream-k": stream-K at every shape (every SM streams an equal run, so every GPC a share in proportion
+to its SMs); "stream-k-deep": that with the whole SM's ring and two wgmma in flight; "fill": launches with their
+partials beside the ring give it all the shared memory the partials leave at every M (KernelOptions.ring_fill; shipped:
+for m_pad 64, M 33-64); "no-fill": at no M, as before sweep run 32; "direct": builds of one CTA per row tile store y one
+output at a time, as before sweep run 41 (shipped since: through shared memory in coalesced 16-byte runs,
 KernelOptions.staged_store); "two-wg": two consumer warpgroups of 64 weight rows each; "two-wg-full-ring-wgmma2": that
 and the full ring with two wgmma in flight; earlier runs also swept the weight loaded without the L2 evict-first hint,
 the release form of the cluster barrier's entry arrive, the descriptor prefetch, the TMA atom's kernel-parameter
@@ -137,7 +136,7 @@ def variants(linear):
         "two-wg-full-ring-wgmma2": shipped._replace(consumer_warpgroups=2, smem_share=1, wgmma_in_flight=2),
         "no-deep-ring": shipped._replace(deep_ring_blocks=0),  # M=64 long runs keep the half-SM ring
         # the deep ring from 64 blocks per CTA (shipped: 100): at M=64 on an H200, 14336x4096 (one CTA per row tile,
-        # 64 blocks, 4 stages on the half ring) and 4096x14336 (3 CTAs per tile, 74 blocks) take it
+        # 64 blocks, 4 stages on the half ring) and 4096x14336 (3 CTAs per tile, 74-75 blocks) take it
         "deep-64": shipped._replace(deep_ring_blocks=64),
         # ... only for launches of one CTA per row tile (KernelOptions.deep_ring_tile_blocks): 14336x4096 at M=64
         "deep-tile-64": shipped._replace(deep_ring_tile_blocks=64),
