@@ -13,7 +13,7 @@ clocks during a cell reaches all of them; NVML's SM and memory clocks, power and
 during the replays (gpu_clocks.py), go into every row. The floor is (weight + x + y bytes) / ceiling, with the
 ceiling measured in the same run (a 2 GiB torch.sum read and a 1 GiB device copy, the faster). Then a sweep of the
 weight descriptor's L2 promotion (NONE / 64B / 128B / 256B, timed in turns) per shape at M in {1, 16, 64}, and
-the eager host cost per call.
+the eager host cost per call (the op and F.linear timed in turns, round by round: profile_host.host_us_in_turns).
 
 Writes docs/results/linear-h200.csv (long format, one row per measurement) and docs/results/linear-h200.png
 (% of floor by shape and M for both providers), and prints a summary with the geomean speedup.
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_clocks  # noqa: E402
-from profile_host import host_us  # noqa: E402
+from profile_host import host_us_in_turns  # noqa: E402
 
 SHAPES = {  # name: (N, K)
     "llama8b.qkv": (6144, 4096),
@@ -52,6 +52,7 @@ ROTATION_BYTES = 400 << 20  # weight copies per shape: together at least this mu
 CALLS_PER_GRAPH = 40
 REPLAYS = 15
 ROUNDS = 5  # interleaved_time_us: turns per list, REPLAYS // ROUNDS replays each
+HOST_ROUNDS = 15  # host cost: rounds of profile_host.CALLS calls per provider, in turns
 CSV_FIELDS = ["metric", "name", "N", "K", "M", "dtype", "provider", "l2_promotion", "us_p20", "us_p50", "us_p80",
               "floor_us", "ceiling_gbs", "pct_floor", "gpu", "torch", "date", *gpu_clocks.FIELDS]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -278,10 +279,12 @@ def run(shapes, ms, sweep_ms, csv_path):
     default = linear.default_l2_promotion(torch.cuda.current_device(), n, k, DTYPE)
     weight = (torch.randn(n, k, device=device) / math.sqrt(k)).to(DTYPE)
     x = torch.randn(1, k, dtype=DTYPE, device=device)
-    # host time per eager call, the GPU kept busy (profile_host.host_us: median and min over rounds), inference mode
-    for provider, promotion, fn in (("torch_tma_op", default.name, lambda: torch.ops.tma.linear(x, weight)),
-                                    ("cublas", "", lambda: F.linear(x, weight))):
-        p50, low = host_us(fn, torch.inference_mode)
+    # host time per eager call, the GPU kept busy, inference mode: the two providers timed in turns, round by round
+    # (profile_host.host_us_in_turns: median and min over HOST_ROUNDS rounds each)
+    providers = (("torch_tma_op", default.name, lambda: torch.ops.tma.linear(x, weight)),
+                 ("cublas", "", lambda: F.linear(x, weight)))
+    timed = host_us_in_turns([fn for _, _, fn in providers], torch.inference_mode, HOST_ROUNDS)
+    for (provider, promotion, _), (p50, low) in zip(providers, timed):
         record("host_us", "llama8b.gate_up", n, k, 1, provider, promotion, (low, p50, p50))
     os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
     with open(csv_path, "w", newline="") as f:

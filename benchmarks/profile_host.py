@@ -35,19 +35,30 @@ def host_us(fn, mode=contextlib.nullcontext) -> tuple[float, float]:
     mode: a grad mode (torch.no_grad, torch.inference_mode) entered once around the loops, as a serving loop
     holds it around many steps.
     """
+    return host_us_in_turns([fn], mode)[0]
+
+
+def host_us_in_turns(fns, mode=contextlib.nullcontext, rounds: int = ROUNDS) -> list[tuple[float, float]]:
+    """host_us for several callables timed in turns: round r times every fn once, in order, before round r + 1.
+
+    A stretch of slow host time (another process, a frequency change) then falls on every fn's rounds alike rather
+    than on one fn's whole set, which is what comparing two of them (the op against F.linear) needs.
+    """
+    per_call = [[] for _ in fns]
     with mode():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        per_call = []
-        for _ in range(ROUNDS):
-            torch.cuda._sleep(SPIN_CYCLES)
-            start = time.perf_counter()
-            for _ in range(CALLS):
+        for fn in fns:
+            for _ in range(20):
                 fn()
-            per_call.append((time.perf_counter() - start) / CALLS * 1e6)
-            torch.cuda.synchronize()
-    return statistics.median(per_call), min(per_call)
+        torch.cuda.synchronize()
+        for _ in range(rounds):
+            for times, fn in zip(per_call, fns):
+                torch.cuda._sleep(SPIN_CYCLES)
+                start = time.perf_counter()
+                for _ in range(CALLS):
+                    fn()
+                times.append((time.perf_counter() - start) / CALLS * 1e6)
+                torch.cuda.synchronize()
+    return [(statistics.median(times), min(times)) for times in per_call]
 
 
 def check_close(out, x, weight) -> None:

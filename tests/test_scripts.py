@@ -104,3 +104,20 @@ def test_ptx_hashes_tell_builds_apart(monkeypatch, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_path(str(path), run_name="__main__")
     assert exit_info.value.code == 2 and "was imported from" in capsys.readouterr().err
+
+
+def test_host_cost_is_timed_in_turns(monkeypatch):
+    """profile_host.host_us_in_turns gives each callable one round before any gets its next (what bench_linear's
+    op-against-F.linear host line relies on), with the GPU spin queued before every round; the GPU calls are
+    replaced by records, so the order is checked on the CPU."""
+    monkeypatch.setattr(sys, "path", [str(ROOT / "benchmarks"), *sys.path])
+    import profile_host
+    import torch
+    log = []
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append("spin"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+    monkeypatch.setattr(profile_host, "CALLS", 3)
+    timed = profile_host.host_us_in_turns([lambda: log.append("a"), lambda: log.append("b")], rounds=2)
+    assert log == ["a"] * 20 + ["b"] * 20 + ["sync"] + (["spin", "a", "a", "a", "sync", "spin", "b", "b", "b", "sync"]
+                                                       * 2)
+    assert len(timed) == 2 and all(low <= p50 for p50, low in timed)
