@@ -175,3 +175,28 @@ def test_gpc_load_groups_sms_by_cluster_and_counts_ctas_per_group():
     assert group[0] == group[1] == group[2] != group[5]
     by_load = gpc_load.stream_by_load(rows, group)[("8", "64", "1", "v", "m")]
     assert sorted(by_load) == [2, 4] and by_load[4] == [100.0, 100.0, 200.0, 200.0] and by_load[2] == [50.0, 70.0]
+
+
+def test_balance_bound_takes_cluster_and_launch_means():
+    """docs/probes/balance_bound.py: a CTA's end of streaming is start + ready + stream; the in-cluster bound is the
+    last end minus the latest cluster's mean end, the launch bound the last end minus the mean over all CTAs; a block
+    is the median stream time over the blocks per CTA."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "probes"))
+    import balance_bound
+
+    def row(call, cta, start, ready, stream):
+        return {"N": "256", "K": "256", "M": "1", "variant": "v", "mode": "m", "cluster_k": "2", "call": str(call),
+                "cta": str(cta), "start_ns": str(start), "ready_ns": str(ready), "stream_ns": str(stream)}
+
+    # call 0, ends: cluster 0 = (1000, 3000), cluster 1 = (2000, 2000); stream alone: (900, 2000), (1500, 1000)
+    call0 = [row(0, 0, 0, 100, 900), row(0, 1, 0, 1000, 2000), row(0, 2, 256, 244, 1500), row(0, 3, 512, 488, 1000)]
+    b = balance_bound.call_bounds(call0)
+    assert (b["last"], b["cluster"], b["launch"]) == (3000.0, 2000.0, 2000.0)
+    assert (b["last_stream"], b["cluster_stream"], b["launch_stream"]) == (2000.0, 1450.0, 1350.0)
+    # call 1: every CTA ends at 4000 after the same stream, so nothing to take back
+    call1 = [row(1, c, 0, 1000, 3000) for c in range(4)]
+    out = balance_bound.bounds(call0 + call1)[("256", "256", "1", "v", "m")]
+    assert out["ctas"] == 4 and out["cluster_k"] == 2 and out["last"] == 3.5  # median of 3000 and 4000 ns
+    assert out["cluster"] == 0.5 and out["launch"] == 0.5  # medians of (1000, 0) ns
+    assert out["cluster_stream"] == 0.275 and out["launch_stream"] == 0.325
+    assert out["block"] == 2500 / 2 / 1e3  # K=256: 4 blocks over clusters of 2; stream median over 8 CTA-calls
