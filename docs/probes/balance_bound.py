@@ -28,7 +28,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpc_load import read_rows  # noqa: E402
+from gpc_load import calls_of, read_rows  # noqa: E402
 
 DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results",
                        "trace-linear-h100-run28-ctas.csv.gz")
@@ -55,11 +55,8 @@ def call_bounds(ctas):
 def bounds(rows):
     """(N, K, M, variant, mode) -> medians over calls (us): last, the two take-backs (with and without start times),
     and block, one weight block's stream time at the median rate."""
-    calls = collections.defaultdict(list)
-    for r in rows:
-        calls[(r["N"], r["K"], r["M"], r["variant"], r["mode"], r["call"])].append(r)
     per_case = collections.defaultdict(list)
-    for key, ctas in calls.items():
+    for key, ctas in calls_of(rows).items():
         per_case[key[:5]].append(ctas)
     out = {}
     for case, case_calls in per_case.items():

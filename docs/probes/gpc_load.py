@@ -54,13 +54,18 @@ def sm_groups(rows):
     return {sm: find(sm) for sm in list(parent)}
 
 
-def stream_by_load(rows, group):
-    """(N, K, M, variant, mode) -> {CTAs of the call in the CTA's group: [stream_ns, ...]}."""
+def calls_of(rows):
+    """(N, K, M, variant, mode, call) -> that call's CTA rows."""
     calls = collections.defaultdict(list)
     for r in rows:
         calls[(r["N"], r["K"], r["M"], r["variant"], r["mode"], r["call"])].append(r)
+    return calls
+
+
+def stream_by_load(rows, group):
+    """(N, K, M, variant, mode) -> {CTAs of the call in the CTA's group: [stream_ns, ...]}."""
     out = collections.defaultdict(lambda: collections.defaultdict(list))
-    for key, ctas in calls.items():
+    for key, ctas in calls_of(rows).items():
         load = collections.Counter(group[int(r["sm"])] for r in ctas)
         for r in ctas:
             out[key[:5]][load[group[int(r["sm"])]]].append(float(r["stream_ns"]))
