@@ -486,9 +486,11 @@ class Table {
 
 
 // ---- fast paths: raw CPython vectorcall, no pybind dispatch --------------------------------------------------
-// cache.get(tensor, box, *, swizzle=, l2_promotion=, interleave=, oob_fill=, elem_strides=, data_type=) on a hit,
+// cache.get(tensor, box, *, swizzle=, l2_promotion=, interleave=, oob_fill=, elem_strides=, data_type=) on a hit
+// (box positional or by keyword),
 // and BoundTensorMap.ptr. Anything unusual (a keyword passed by a non-interned name, a non-int, a miss) goes to
 // the Python implementation with the same arguments, which validates and explains.
+PyObject* kw_box = nullptr;
 PyObject* kw_swizzle = nullptr;
 PyObject* kw_l2 = nullptr;
 PyObject* kw_interleave = nullptr;
@@ -522,7 +524,8 @@ PyObject* fast_get(PyObject* self, PyObject* const* args, size_t nargsf, PyObjec
   auto* table = static_cast<Table*>(PyCapsule_GetPointer(PyTuple_GET_ITEM(self, 0), "torch_tma.Table"));
   PyObject* miss = PyTuple_GET_ITEM(self, 2);
   Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-  if (nargs == 2 && THPVariable_Check(args[0])) {
+  if ((nargs == 1 || nargs == 2) && THPVariable_Check(args[0])) {
+    PyObject* box = nargs == 2 ? args[1] : nullptr;  // positional, or box= among the keywords
     PyObject* es = Py_None;
     int64_t sw = 0, l2 = 2, il = 0, oob = 0, dt = -1;  // the Python signature's defaults
     bool ok = true;
@@ -530,7 +533,8 @@ PyObject* fast_get(PyObject* self, PyObject* const* args, size_t nargsf, PyObjec
     for (Py_ssize_t i = 0; ok && i < nkw; ++i) {
       PyObject* name = PyTuple_GET_ITEM(kwnames, i);
       PyObject* value = args[nargs + i];
-      if (name == kw_swizzle) ok = int_arg(value, sw, -2);
+      if (name == kw_box && box == nullptr) box = value;
+      else if (name == kw_swizzle) ok = int_arg(value, sw, -2);
       else if (name == kw_l2) ok = int_arg(value, l2, -2);
       else if (name == kw_interleave) ok = int_arg(value, il, -2);
       else if (name == kw_oob) ok = int_arg(value, oob, -2);
@@ -538,9 +542,9 @@ PyObject* fast_get(PyObject* self, PyObject* const* args, size_t nargsf, PyObjec
       else if (name == kw_es) es = value;
       else ok = false;
     }
-    if (ok) {
+    if (ok && box != nullptr) {
       try {
-        py::object hit = table->lookup(THPVariable_Unpack(args[0]), args[1], es, il, sw, l2, oob, dt);
+        py::object hit = table->lookup(THPVariable_Unpack(args[0]), box, es, il, sw, l2, oob, dt);
         if (!hit.is_none()) return hit.release().ptr();
       } catch (const std::exception&) {
         PyErr_Clear();  // the Python path repeats the lookup and reports the problem properly
@@ -643,6 +647,7 @@ PyMethodDef bound_ptr_def = {"bound_ptr", bound_ptr, METH_O,
                              "BoundTensorMap.ptr's getter: slot address, refreshing in place if the source moved"};
 
 void intern_names() {
+  kw_box = PyUnicode_InternFromString("box");
   kw_swizzle = PyUnicode_InternFromString("swizzle");
   kw_l2 = PyUnicode_InternFromString("l2_promotion");
   kw_interleave = PyUnicode_InternFromString("interleave");

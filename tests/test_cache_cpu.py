@@ -72,6 +72,26 @@ def test_tensor_keys_in_the_native_table():
         table.lookup(x, ("a", 64), *args[1:])
 
 
+def test_hits_stay_native_with_box_positional_or_by_keyword(monkeypatch):
+    calls = []  # the Python get runs only for what the native hit path hands on
+    python_get = torch_tma.TensorMapCache.get
+    monkeypatch.setattr(torch_tma.TensorMapCache, "get",
+                        lambda self, *a, **kw: calls.append(kw) or python_get(self, *a, **kw))
+    cache = cpu_cache()
+    x = torch.randn(64, 128, dtype=torch.float16)
+    enc = dict(swizzle=torch_tma.Swizzle.B128, l2_promotion=torch_tma.L2Promotion.L2_256B)
+    cache._table.insert(x, (32, 64), None, 0, int(enc["swizzle"]), int(enc["l2_promotion"]), 0, -1, "entry")
+    assert cache.get(x, (32, 64), **enc) == "entry"
+    assert cache.get(x, box=(32, 64), **enc) == "entry"
+    assert cache.get(x, box=[32, 64], l2_promotion=enc["l2_promotion"], swizzle=enc["swizzle"]) == "entry"
+    assert calls == []
+    with pytest.raises(ValueError, match="not a CUDA device"):  # a miss: the Python path (CPU memory is refused)
+        cache.get(x, box=(16, 64), **enc)
+    with pytest.raises(TypeError, match="multiple values for argument 'box'"):
+        cache.get(x, (32, 64), box=(32, 64), **enc)
+    assert len(calls) == 2
+
+
 def test_lru_eviction_at_capacity_and_stale_handles():
     cache = cpu_cache(slots=4, chunk_slots=2)
     maps = [cache.get_spec(spec(address=0x10000 * (i + 1))) for i in range(4)]
