@@ -14,7 +14,7 @@ one input at a time (docs/probes/driver_record.py, written up in docs/descriptor
   q3[0:31]      stride[3] >> 4                 q3[32+4i : 35+4i] bits 32..35 of stride[i] >> 4
   q4, q5, q6[0:31]  dims[i] - 1, 32 bits each (d0, d1 | d2, d3 | d4)
   q6[32+3i : 34+3i] elem_strides[i] - 1       q6[56:63] box[0] - 1     q7 byte i-1: box[i] - 1 (i >= 1)
-  q8            bytes one box occupies in shared memory (prod ceil(box/elem_stride) x element size)
+  q8            bytes one box occupies in shared memory (prod floor(box/elem_stride) x element size)
   q9            swizzle pattern repeat in bytes (16 for none, 256 / 512 / 1024 for 32B / 64B / 128B)
   bytes 80..127 zero
 """

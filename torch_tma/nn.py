@@ -185,7 +185,8 @@ def refresh(model: nn.Module) -> None:
 
     A layer whose weight moved to new storage on the same device keeps its slot: CUDA graphs captured before
     read the new weight on their next replay. A bias, and any parameter outside these descriptors, is baked
-    into a graph by address: update those in place (copy_) instead. Not allowed during graph capture.
+    into a graph by address: update those in place (copy_) instead. During graph capture a weight that moved
+    raises CaptureMissError (one that did not is left as it is).
     """
     _check_model(model, "refresh")
     for module in model.modules():

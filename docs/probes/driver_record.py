@@ -6,10 +6,12 @@ Three parts, each written to --out (default tests/data):
   record    N random VALID input sets and the 128 bytes the driver wrote: driver_descriptors.json.gz,
             replayed by tests/test_layout.py on the CPU to check torch_tma.decode.
   verdicts  N random input sets drawn to sit on every documented boundary, and the driver's CUresult for
-            each: driver_verdicts.json.gz, replayed by tests/test_validation_replay.py against our validator.
+            each: driver_verdicts.json.gz, replayed against our validator by
+            tests/test_layout.py::test_validator_agrees_with_recorded_driver_verdicts.
 
 The driver never dereferences globalAddress while encoding, so addresses are synthetic.
-Run on the GPU machine:  python docs/probes/driver_record.py --out tests/data --record 3000 --verdicts 20000
+Run on the GPU machine:  python docs/probes/driver_record.py --encoder native --out tests/data --record 3000 --verdicts 20000
+(--encoder native: cuda-bindings' encoder gives wrong rank-1 verdicts, docs/descriptor-layout.md)
 """
 import argparse
 import gzip
