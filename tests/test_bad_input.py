@@ -33,6 +33,13 @@ RAISES = [
      "x's last dim must equal weight's K=32"),
     ("op 0-d x", lambda: torch.ops.tma.linear(torch.tensor(1.0), _xw()[1]), ValueError, "x's last dim"),
     ("op bias shape", lambda: torch.ops.tma.linear(*_xw(), torch.ones(8)), ValueError, r"bias must be \[N=16\]"),
+    ("op dtype mismatch", lambda: torch.ops.tma.linear(_xw()[0], _xw()[1].bfloat16()), ValueError,
+     "weight is torch.bfloat16 on cpu, x is torch.float32 on cpu: they must match"),
+    ("op bias dtype mismatch", lambda: torch.ops.tma.linear(*_xw(), torch.ones(16, dtype=torch.float64)), ValueError,
+     "bias is torch.float64 on cpu, x is torch.float32"),
+    ("op meta dtype mismatch", lambda: torch.ops.tma.linear(torch.ones(2, 8, device="meta"),
+                                                            torch.ones(3, 8, device="meta", dtype=torch.half)),
+     ValueError, "weight is torch.float16 on meta"),
     ("op promotion value", lambda: torch.ops.tma.linear(*_xw(), l2_promotion=7), ValueError, "l2_promotion=7"),
     ("op promotion string", lambda: torch.ops.tma.linear(*_xw(), l2_promotion="L2_64B"), RuntimeError,
      "Optional\\[int\\]' for argument 'l2_promotion'"),
@@ -103,7 +110,8 @@ FALLBACKS = [
     ("non-contiguous weight", _transposed_weight, "weight is not contiguous"),
     ("K not a multiple of 8", lambda: _bf16(4, 256, 516), "K must be a multiple of 8"),
     ("M=0", lambda: _bf16(0, 256, 512), "empty x or weight"),
-    ("M above the crossover", lambda: _bf16(200, 256, 512), "M=200 is above"),
+    ("M above the largest tile", lambda: _bf16(200, 256, 512), "M=200 is above the kernel's largest tile M=64"),
+    ("M above the crossover", lambda: _bf16(48, 256, 512), "M=48 is above the crossover M=16 for a 256x512 weight"),
 ]
 
 
@@ -119,12 +127,17 @@ def test_fallback_matches_f_linear_and_logs_the_cause(make, cause, caplog, monke
 
 
 @on_gpu
-def test_mixed_devices_raise_torchs_device_error():
+def test_mixed_devices_raise_naming_the_argument(caplog, monkeypatch):
+    monkeypatch.setattr(ops, "_logged_reasons", set())
     x, w = _bf16(4, 256, 512)
-    with pytest.raises(RuntimeError, match="same device|device"):
-        torch.ops.tma.linear(x.cpu(), w)
-    with pytest.raises(RuntimeError, match="same device|device"):
-        torch.ops.tma.linear(x, w, torch.zeros(256, dtype=torch.bfloat16))
+    with caplog.at_level(logging.INFO, logger="torch_tma"):
+        with pytest.raises(ValueError, match="weight is torch.bfloat16 on cuda:0, x is torch.bfloat16 on cpu"):
+            torch.ops.tma.linear(x.cpu(), w)
+        with pytest.raises(ValueError, match="bias is torch.bfloat16 on cpu, x is torch.bfloat16 on cuda:0"):
+            torch.ops.tma.linear(x, w, torch.zeros(256, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="weight is torch.float16 on cuda:0, x is torch.bfloat16 on cuda:0"):
+            torch.ops.tma.linear(x, w.half())
+    assert not caplog.records  # no fallback is claimed for a call that raises
 
 
 @on_gpu

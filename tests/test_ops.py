@@ -92,6 +92,45 @@ def test_matches_reference_cuda(dtype, leading, n, k, bias):
     _test_matches_reference("cuda", dtype, leading, n, k, bias)
 
 
+def _test_non_contiguous_x(device, dtype):
+    n, k = 384, 264
+    x_padded = torch.randn(2, 3, k + 8, dtype=dtype, device=device)[..., :k]  # rows 272 elements apart: a view
+    x_transposed = torch.randn(3, 2, k, dtype=dtype, device=device).transpose(0, 1)  # flattening copies
+    _, weight, b = random_linear((), n, k, dtype, device)
+    for x in (x_padded, x_transposed):
+        assert not x.is_contiguous()
+        if device == "cuda":  # the kernel's case: a silent fallback would make this vacuous
+            assert ops.unsupported_reason(x.reshape(-1, k), weight, b) is None
+        poison_next_allocation((*x.shape[:-1], n), dtype, device)
+        out = torch.ops.tma.linear(x, weight, b)
+        assert out.shape == (2, 3, n)
+        assert_matches_reference(out, *reference(x, weight, b))
+
+
+def test_non_contiguous_x_cpu():
+    _test_non_contiguous_x("cpu", torch.bfloat16)
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(CUDA_TIMEOUT_S)
+def test_non_contiguous_x_cuda():
+    _test_non_contiguous_x("cuda", torch.bfloat16)
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(CUDA_TIMEOUT_S)
+def test_calls_compile_once_per_static_configuration():
+    """M=5..8 share one build (M pads to 8): after the first call, more calls at those M compile nothing."""
+    compile_kernel = ops._kernels().compile_kernel
+    _, weight, b = random_linear((), 320, 704, torch.bfloat16, "cuda")
+    torch.ops.tma.linear(torch.randn(5, 704, dtype=torch.bfloat16, device="cuda"), weight, b)
+    misses = compile_kernel.cache_info().misses
+    for m in (5, 6, 7, 8, 5):
+        x = torch.randn(m, 704, dtype=torch.bfloat16, device="cuda")
+        assert_matches_reference(torch.ops.tma.linear(x, weight, b), *reference(x, weight, b))
+    assert compile_kernel.cache_info().misses == misses
+
+
 def test_one_dimensional_x_cpu():
     x, weight, b = random_linear((), 24, 40, torch.float32, "cpu")
     out = torch.ops.tma.linear(x, weight, b)
@@ -192,15 +231,37 @@ def test_fallback_logs_one_reason_per_cause(monkeypatch, caplog):
     strided = weight.t().contiguous().t()  # same values, not contiguous
     x_odd, weight_odd, b_odd = random_linear((2,), 64, 36, torch.bfloat16, "cuda")  # 72-byte rows
     x32, weight32, b32 = random_linear((2,), 64, 64, torch.float32, "cuda")
-    # Four causes; the M above the crossover comes twice, with other numbers.
-    cases = [(x_big, weight, b), (x_big[:300], weight, b), (x_big[:4], strided, b), (x_odd, weight_odd, b_odd),
-             (x32, weight32, b32)]
+    # Five causes: M above the largest tile (twice, with other numbers), M between the crossover (16 for this
+    # weight) and the largest tile (twice), a non-contiguous weight, 72-byte rows, float32.
+    cases = [(x_big, weight, b), (x_big[:300], weight, b), (x_big[:20], weight, b), (x_big[:48], weight, b),
+             (x_big[:4], strided, b), (x_odd, weight_odd, b_odd), (x32, weight32, b32)]
     with caplog.at_level(logging.INFO, logger="torch_tma"):
         for _ in range(2):
             for case in cases:
                 assert torch.equal(torch.ops.tma.linear(*case), F.linear(*case))
     reasons = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tma::linear falls back")]
-    assert len(reasons) == 4, reasons
+    assert len(reasons) == 5, reasons
+    assert any("M=20 is above the crossover M=16 for a 256x512 weight" in r for r in reasons), reasons
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(CUDA_TIMEOUT_S)
+def test_gpu_other_than_hopper_falls_back_without_the_dsl():
+    """On a GPU other than sm_90 (the capability patched in a fresh process) the op runs F.linear, logs the GPU once
+    and never imports the kernel module (the DSL may not be installed there)."""
+    code = (
+        "import logging, sys, torch, torch.nn.functional as F, torch_tma; from torch_tma import ops; "
+        "log = logging.getLogger('torch_tma'); log.setLevel(logging.INFO); log.addHandler(logging.StreamHandler(sys.stdout)); "
+        "ops._capability = lambda index: (8, 0); "
+        "x = torch.randn(4, 512, dtype=torch.bfloat16, device='cuda'); "
+        "w = torch.randn(256, 512, dtype=torch.bfloat16, device='cuda'); "
+        "assert all(torch.equal(torch.ops.tma.linear(x, w), F.linear(x, w)) for _ in range(2)); "
+        "print('kernel module imported:', 'torch_tma.kernels.linear' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["tma::linear falls back to F.linear: GPU is sm_80, not Hopper (sm_90)",
+                                       "kernel module imported: False"], run.stdout
 
 
 def test_fallback_causes_ignore_the_numbers(monkeypatch, caplog):
@@ -255,6 +316,52 @@ def test_gradients_match_f_linear_cpu(leading, bias):
 @pytest.mark.parametrize("bias", [True, False])
 def test_gradients_match_f_linear_cuda(bias):
     _test_gradients_match_f_linear("cuda", torch.bfloat16, (2, 3), bias)
+
+
+@pytest.mark.parametrize("leading,n,k", [((2, 3), 4, 0), ((2, 3), 0, 5), ((0,), 4, 5)], ids=["K=0", "N=0", "M=0"])
+def test_gradients_with_an_empty_dim_match_f_linear_cpu(leading, n, k):
+    x, weight, b = random_linear(leading, n, k, torch.float64, "cpu")
+    grad_out = torch.randn(*leading, n, dtype=torch.float64)
+    leaves = [t.requires_grad_() for t in (x, weight, b)]
+    ours = torch.autograd.grad(torch.ops.tma.linear(*leaves), leaves, grad_out)
+    stock = torch.autograd.grad(F.linear(*leaves), leaves, grad_out)
+    for g_ours, g_stock in zip(ours, stock):
+        assert g_ours.shape == g_stock.shape and torch.equal(g_ours, g_stock)
+
+
+def _test_autocast(device, caplog, monkeypatch):
+    """Under torch.autocast the op follows F.linear's rule (inputs cast to the autocast dtype), eager and compiled
+    alike; a float32 weight runs F.linear on the cast inputs, logged once on CUDA."""
+    monkeypatch.setattr(ops, "_logged_reasons", set())
+    x, weight, b = random_linear((4,), 256, 512, torch.float32, device)
+    weight_lowp = weight.to(torch.bfloat16)
+    # relu: a graph of the op alone runs it eagerly, where the autocast state of the call applies anyway
+    compiled = torch.compile(lambda *a: torch.relu(torch.ops.tma.linear(*a)), fullgraph=True)
+    ref64 = F.linear(x.to(torch.bfloat16).double().cpu(), weight_lowp.double().cpu(), b.to(torch.bfloat16).double().cpu())
+    with torch.autocast(device, dtype=torch.bfloat16), caplog.at_level(logging.INFO, logger="torch_tma"):
+        if device == "cuda":  # the kernel's case once cast: a silent fallback would make this vacuous
+            assert ops.unsupported_reason(x.to(torch.bfloat16), weight_lowp, b.to(torch.bfloat16)) is None
+        stock = F.linear(x, weight_lowp, b)
+        assert_matches_reference(torch.ops.tma.linear(x, weight_lowp, b), stock, ref64)
+        assert_matches_reference(compiled(x, weight_lowp, b), torch.relu(stock), torch.relu(ref64))
+        assert not caplog.records
+        for _ in range(2):
+            assert torch.equal(torch.ops.tma.linear(x, weight, b), F.linear(x, weight, b))
+    reasons = [r.getMessage() for r in caplog.records]
+    assert reasons == (["tma::linear falls back to F.linear: weight is torch.float32, not the autocast dtype "
+                        "torch.bfloat16: its cast would be a new tensor and a new descriptor on every call (keep the "
+                        "weight in torch.bfloat16)"] if device == "cuda" else []), reasons
+    assert torch.ops.tma.linear(x, weight, b).dtype == torch.float32  # outside autocast: no cast
+
+
+def test_autocast_follows_f_linear_cpu(caplog, monkeypatch):
+    _test_autocast("cpu", caplog, monkeypatch)
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(2 * CUDA_TIMEOUT_S)
+def test_autocast_follows_f_linear_cuda(caplog, monkeypatch):
+    _test_autocast("cuda", caplog, monkeypatch)
 
 
 def test_gradcheck_cpu():

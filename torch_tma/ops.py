@@ -8,7 +8,8 @@ None takes the kernel's measured default for the GPU model and weight size (kern
 128B, 256B on an H100 80GB HBM3 for weights of 100 MB and more; set from the promotion sweeps).
 
 Registered once through torch.library: a CUDA kernel (the CuTe DSL weight-streaming kernel on Hopper,
-F.linear elsewhere), a CPU kernel (F.linear), a fake kernel for torch.compile, and autograd. The CUDA and Autograd
+F.linear elsewhere), a CPU kernel (F.linear), a fake kernel for torch.compile, autograd, and autocast on CPU and
+CUDA (F.linear's rule: inputs cast to the autocast dtype). x, weight and bias must share a dtype and a device. The CUDA and Autograd
 kernels are C++ (csrc/linear_op.cpp): a steady-state call runs no Python; the first call of a shape, fallbacks,
 errors and calls that record an autograd graph go to the Python functions here. Where the
 kernel does not apply (M above the crossover, a GPU other than sm_90, a K byte stride that is not a
@@ -25,6 +26,7 @@ import functools
 import importlib
 import inspect
 import logging
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -63,6 +65,10 @@ def _check_args(x, weight, bias, l2_promotion) -> None:
         raise ValueError(f"tma::linear: x's last dim must equal weight's K={w_shape[1]}, got x shape {tuple(x_shape)}")
     if bias is not None and bias.shape != w_shape[:1]:
         raise ValueError(f"tma::linear: bias must be [N={w_shape[0]}], got shape {tuple(bias.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):  # under torch.autocast the Autocast kernel casts first
+        if t is not None and (t.dtype != x.dtype or t.device != x.device):
+            raise ValueError(f"tma::linear: {name} is {t.dtype} on {t.device}, x is {x.dtype} on {x.device}: "
+                             f"they must match")
     if l2_promotion is not None and l2_promotion not in _L2_PROMOTION_VALUES:
         raise ValueError(
             f"tma::linear: l2_promotion={l2_promotion!r} is not a torch_tma.L2Promotion value "
@@ -177,12 +183,44 @@ def _linear_fake(x, weight, bias=None, *, l2_promotion=None):
     return x.new_empty(_out_shape(x, weight))
 
 
+def _autocast_kernel(device_type: str) -> Callable:
+    """The op under torch.autocast on device_type: F.linear's autocast rule (floating inputs other than float64
+    cast to the autocast dtype), then the op with autocast excluded, so eager, compiled and fake calls agree on
+    the output's dtype. A weight that needs that cast would be a new tensor, and a new descriptor, on every call:
+    such calls run F.linear on the cast inputs instead (on CUDA with a logged reason)."""
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+
+    def kernel(x, weight, bias=None, *, l2_promotion=None):
+        dtype = torch.get_autocast_dtype(device_type)
+
+        def cast(t):
+            eligible = t is not None and t.is_floating_point() and t.dtype != torch.float64
+            return t.to(dtype) if eligible else t
+
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            if cast(weight) is weight:
+                return _linear_op(cast(x), weight, cast(bias), l2_promotion=l2_promotion)
+            x, weight_cast, bias = cast(x), cast(weight), cast(bias)
+            _check_args(x, weight_cast, bias, l2_promotion)
+            if device_type == "cuda":
+                _log_fallback(f"weight is {weight.dtype}, not the autocast dtype {dtype}: its cast would be a new "
+                              f"tensor and a new descriptor on every call (keep the weight in {dtype})")
+            return F.linear(x, weight_cast, bias)
+
+    return kernel
+
+
 _lib.impl("linear", _linear_cpu, "CPU")
 torch.library.register_fake("tma::linear", _linear_fake, lib=_lib)
 
 # Keys the Autograd kernel hands on to. Private torch API, the one torch.library.register_autograd uses.
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 _linear_op = torch.ops.tma.linear.default
+for _device_type in ("cpu", "cuda"):
+    _autocast_key = "Autocast" + torch._C._dispatch_key_for_device(_device_type)
+    _lib.impl("linear", _autocast_kernel(_device_type), _autocast_key)
+    # ... and for the Python dispatcher torch.compile traces with, so the casts land in the compiled graph
+    _linear_op.py_impl(getattr(torch._C.DispatchKey, _autocast_key))(_autocast_kernel(_device_type))
 
 
 class _Linear(torch.autograd.Function):
@@ -200,10 +238,11 @@ class _Linear(torch.autograd.Function):
         """grad_x = grad @ W, grad_W = grad^T x and grad_b = sum of grad over the leading dims."""
         x, weight = ctx.saved_tensors
         n, k = weight.shape
+        rows = math.prod(x.shape[:-1])  # not reshape(-1, ...): that fails where N or K is 0
         _, needs_x, needs_weight, needs_bias, _ = ctx.needs_input_grad
         grad_x = grad @ weight if needs_x else None
-        grad_weight = grad.reshape(-1, n).t() @ x.reshape(-1, k) if needs_weight else None
-        grad_bias = grad.reshape(-1, n).sum(0) if ctx.has_bias and needs_bias else None
+        grad_weight = grad.reshape(rows, n).t() @ x.reshape(rows, k) if needs_weight else None
+        grad_bias = grad.reshape(rows, n).sum(0) if ctx.has_bias and needs_bias else None
         return None, grad_x, grad_weight, grad_bias, None
 
 
