@@ -42,6 +42,8 @@ CONFIG_IDS = [f"{str(d).split('.')[1]}-m{m}-{'bias' if b else 'nobias'}" for d, 
 # block (K a multiple of 8, not of 64), a single block, and a tail of 8 columns.
 BENCH_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (10240, 8192), (57344, 8192), (8192, 28672)]
 RAGGED_SHAPES = [(1000, 1000), (129, 72), (1, 8), (8191, 4104), (300, 200)]
+# The other weights the sweeps and the decode benchmark time (Llama-3-8B k/v, gate/up, lm_head)
+DECODE_SHAPES = [(1024, 4096), (14336, 4096), (128256, 4096)]
 GPU_TIMEOUT_S = 300
 
 
@@ -606,7 +608,7 @@ def test_deep_ring_policy(tmp_path):
     shipped = linear.DEFAULT_OPTIONS
     assert shipped.deep_ring_blocks == 100 and shipped.smem_share == 2 and shipped.wgmma_in_flight == 1
     deep = set()
-    for n, k in BENCH_SHAPES + [(1024, 4096), (14336, 4096)]:
+    for n, k in BENCH_SHAPES + DECODE_SHAPES[:2]:
         for m in (1, 16, 32, 33, 64):
             o = linear.options_for(shipped, n, k, m, *H200)
             plain = linear.options_for(shipped._replace(deep_ring_blocks=0), n, k, m, *H200)
@@ -646,7 +648,7 @@ def test_wgmma2_policy():
     none has it. Without the policy only the deep-ring builds have it."""
     shipped = linear.DEFAULT_OPTIONS
     assert shipped.wgmma2_min_m_pad == 64 and shipped.wgmma_in_flight == 1
-    for n, k in BENCH_SHAPES + [(1024, 4096), (14336, 4096), (1000, 1000)]:
+    for n, k in BENCH_SHAPES + DECODE_SHAPES[:2] + [(1000, 1000)]:
         for m in (1, 16, 32, 33, 64):
             o = linear.options_for(shipped, n, k, m, *H200)
             plain = linear.options_for(shipped._replace(wgmma2_min_m_pad=0), n, k, m, *H200)
@@ -829,13 +831,13 @@ def _arrivals_all_zero():
         assert int(ws.arrivals.abs().sum()) == 0, "split-K arrival counters not reset by the kernel"
 
 
-SHAPE_IDS = [f"{n}x{k}" for n, k in BENCH_SHAPES + RAGGED_SHAPES]
+SHAPE_IDS = [f"{n}x{k}" for n, k in BENCH_SHAPES + DECODE_SHAPES + RAGGED_SHAPES]
 
 
 @on_gpu
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("dtype", list(DSL_DTYPES), ids=["bf16", "fp16"])
-@pytest.mark.parametrize("n,k", BENCH_SHAPES + RAGGED_SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("n,k", BENCH_SHAPES + DECODE_SHAPES + RAGGED_SHAPES, ids=SHAPE_IDS)
 def test_matches_reference_every_m(n, k, dtype, bias):
     weight = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(dtype)
     b = torch.randn(n, dtype=dtype, device="cuda") if bias else None
