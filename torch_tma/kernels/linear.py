@@ -1167,11 +1167,10 @@ class WeightStreamingLinear:
                 # scatter_shares), and with the partials in the ring its drained_barrier the other CTAs' word that
                 # their rings are drained
                 if tidx == 0:
-                    pieces = self.values // 4
-                    if cutlass.const_expr(self.scatter_to_last):
-                        share = pieces * Int32(rank == cluster_k - 1)
-                    else:
-                        share = (rank + 1) * pieces // cluster_k - rank * pieces // cluster_k
+                    first, _ = scatter_shares(self.values // 4, cluster_k, self.scatter_to_last)
+                    share = Int32(0)  # first[rank + 1] - first[rank], rank being a runtime value
+                    for r in cutlass.range_constexpr(cluster_k):
+                        share = share + Int32(rank == r) * (first[r + 1] - first[r])
                     cute.arch.mbarrier_init(storage.cluster_barrier.data_ptr(), 1)
                     if cutlass.const_expr(self.in_ring):
                         cute.arch.mbarrier_init(storage.drained_barrier.data_ptr(), cluster_k - 1)
