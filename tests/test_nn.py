@@ -304,6 +304,49 @@ def test_swap_linear_of_a_root_linear_returns_the_new_root():
     assert type(back) is nn.Linear and back.weight is linear.weight and back.bias is linear.bias
 
 
+def test_swap_and_unswap_keep_hooks_buffers_and_attributes():
+    calls = []
+    linear = nn.Linear(32, 16)
+    linear.register_forward_pre_hook(lambda module, args: calls.append(("pre", type(module).__name__)))
+    linear.register_forward_hook(lambda module, args, out: calls.append(("post", type(module).__name__)))
+    linear.register_buffer("scale", torch.rand(16))
+    linear.tag = "kept"
+    model = nn.Sequential(linear)
+    for step, cls in ((swap_linear_, Linear), (unswap_linear_, nn.Linear)):
+        calls.clear()
+        model = step(model)
+        layer = model[0]
+        assert type(layer) is cls and layer.weight is linear.weight and layer.tag == "kept"
+        assert list(model.state_dict()) == ["0.weight", "0.bias", "0.scale"]
+        assert torch.equal(layer.scale, linear.scale)
+        model(torch.randn(2, 32))
+        assert calls == [("pre", cls.__name__), ("post", cls.__name__)]
+    layer.register_buffer("late", torch.zeros(1))  # the modules' dicts are copies: nothing leaks back
+    assert "late" not in linear._buffers
+
+
+def test_weight_norm_layers_are_left_with_a_reason():
+    model = nn.Sequential(nn.Linear(16, 16), nn.utils.weight_norm(nn.Linear(16, 16)),
+                          nn.utils.spectral_norm(nn.Linear(16, 16)))
+    x = torch.randn(2, 16)
+    before = model(x)
+    report = []
+    swap_linear_(model, report=report)
+    assert [type(m) for m in model] == [Linear, nn.Linear, nn.Linear]
+    reason = "its weight is not a Parameter of the layer (weight_norm / spectral_norm recompute it on every call)"
+    assert report == [("1", reason), ("2", reason)]
+    model.eval()
+    assert model(x).shape == before.shape
+
+
+def test_unswap_refuses_a_parametrized_swapped_layer_before_changing_anything():
+    model = swap_linear_(nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 8)))
+    nn.utils.parametrize.register_parametrization(model[1], "weight", nn.Identity())
+    with pytest.raises(TypeError, match="unswap_linear_: 1 is a ParametrizedLinear, a subclass of torch_tma.nn.Linear"):
+        unswap_linear_(model)
+    assert type(model[0]) is Linear  # nothing was unswapped
+
+
 def test_swap_transformers_llama():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(

@@ -88,15 +88,21 @@ class Linear(nn.Linear):
         return ops.bind_weight_map(lambda: layer().weight, weight, self.l2_promotion)
 
 
+# Not carried over: torch_tma.nn.Linear's own fields (set by its __init__) and a compiled forward of the old module.
+_OWN_FIELDS = frozenset(("l2_promotion", "_weight_map", "_weight_key", "_compiled_call_impl"))
+
+
 def _rebuild(cls, linear: nn.Linear, **kwargs) -> nn.Linear:
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
-    # Built on the meta device so no weight is allocated or initialised, then handed the original Parameters.
+    # Built on the meta device so no weight is allocated or initialised, then handed everything else the layer
+    # carries: its Parameters (the same objects), buffers, hooks, training flag and any attribute set on it. The
+    # module's dicts and sets are copied, so the two modules do not share later registrations.
     with torch.device("meta"):
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, **kwargs)
-    new.weight = linear.weight
-    new.bias = linear.bias
-    new.train(linear.training)
+    for name, value in linear.__dict__.items():
+        if name not in _OWN_FIELDS:
+            new.__dict__[name] = value.copy() if isinstance(value, (dict, set)) else value
     return new
 
 
@@ -108,6 +114,8 @@ def unservable_reason(linear: nn.Linear) -> str | None:
     """
     if type(linear) is not nn.Linear:
         return f"{type(linear).__name__} subclasses nn.Linear; its forward may differ"
+    if not isinstance(linear._parameters.get("weight"), nn.Parameter):
+        return "its weight is not a Parameter of the layer (weight_norm / spectral_norm recompute it on every call)"
     if linear.in_features * 2 % 16:
         return f"in_features={linear.in_features}: a 16-bit weight row is not a multiple of 16 bytes (TMA)"
     if linear.weight.is_cuda:
@@ -177,6 +185,10 @@ def swap_linear_(
 def unswap_linear_(model: nn.Module) -> nn.Module:
     """Replace every torch_tma.nn.Linear of model by an nn.Linear sharing its Parameters; returns the root."""
     _check_model(model, "unswap_linear_")
+    for fqn, module in model.named_modules(remove_duplicate=False):  # checked before anything is unswapped
+        if isinstance(module, Linear) and type(module) is not Linear:
+            raise TypeError(f"unswap_linear_: {fqn or 'the model'} is a {type(module).__name__}, a subclass of "
+                            f"torch_tma.nn.Linear (parametrized after the swap?): undo that first")
     return _replace(model, "", lambda m, fqn: m.to_linear() if isinstance(m, Linear) else m, {})
 
 
