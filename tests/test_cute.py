@@ -39,6 +39,7 @@ from cutlass.cute.nvgpu.cpasync import copy as tma_ops  # noqa: E402
 import atom_matrix  # noqa: E402
 import tma_stream_reduce  # noqa: E402
 from test_cache_cpu import cpu_cache  # noqa: E402
+import torch_tma  # noqa: E402
 from torch_tma import L2Promotion, decode  # noqa: E402
 from torch_tma import cute as tma_cute  # noqa: E402
 
@@ -205,6 +206,36 @@ def test_refuses_bad_arguments():
         tma_cute.plan_atom(cpasync.CopyBulkTensorTileG2SOp(), x[:, ::2], smem_64x64, (64, 64))
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         tma_cute.plan_atom(cpasync.CopyBulkTensorTileG2SOp(), x.numpy(), smem_64x64, (64, 64))
+
+
+def test_refuses_bad_arguments_even_with_a_cached_plan():
+    op, x = cpasync.CopyBulkTensorTileG2SOp(), torch.randn(128, 128).half()
+    plan = tma_cute.plan_atom(op, x, smem_64x64, (64, 64), 1)
+    with pytest.raises(ValueError, match="num_multicast must be an int >= 1, got True"):  # True == 1 as a key
+        tma_cute.plan_atom(op, x, smem_64x64, (64, 64), True)
+    assert tma_cute.plan_atom(op, x, smem_64x64, [64, 64]) is plan  # a list tiler, as make_tiled_tma_atom takes
+    with pytest.raises(TypeError, match="cta_tiler must be a tuple of ints"):
+        tma_cute.plan_atom(op, x, smem_64x64, ([64], 64))
+    with pytest.raises(TypeError, match="l2_promotion must be a torch_tma.L2Promotion, got bool"):
+        plan.spec(x, True)
+    with pytest.raises(ValueError, match="tensor dim 0 has stride 0"):  # a broadcast view
+        tma_cute.plan_atom(op, torch.randn(128).half().expand(128, 128), smem_64x64, (64, 64))
+
+
+def test_atom_descriptor_and_atom_tensor_map_check_the_tensor():
+    op, x = cpasync.CopyBulkTensorTileG2SOp(), torch.randn(128, 128).half()
+    plan = tma_cute.plan_atom(op, x, smem_64x64, (64, 64))
+    with pytest.raises(ValueError, match="does not fit this plan"):
+        plan.atom_descriptor(torch.randn(128, 256).float())
+    with pytest.raises(ValueError, match="tensor is on cpu but this cache holds descriptors for meta"):
+        tma_cute.atom_tensor_map(op, x, smem_64x64, (64, 64), l2_promotion=L2Promotion.L2_256B,
+                                 cache=torch_tma.TensorMapCache("meta", capacity_bytes=256, chunk_bytes=256))
+
+
+def test_a_tensor_tma_cannot_map_is_named_not_reported_as_a_mismatch():
+    op = cpasync.CopyBulkTensorTileG2SOp()
+    with pytest.raises(ValueError, match="strides\\[0\\]=200 bytes is not a multiple of 16"):  # 100 fp16 rows
+        tma_cute.plan_atom(op, torch.randn(300, 100).half(), smem_64x64, (64, 64), static_layout=True)
 
 
 def test_refuses_smem_major_mode_that_does_not_match_the_tensor():

@@ -71,7 +71,7 @@ from cutlass.cutlass_dsl import dsl_user_op  # noqa: E402
 
 from .cache import BoundTensorMap, TensorMap, TensorMapCache, default_cache  # noqa: E402
 from .layout import DESCRIPTOR_BYTES, decode  # noqa: E402
-from .spec import ELEMENT_BYTES, DataType, Interleave, L2Promotion, OOBFill, Swizzle, TensorMapSpec  # noqa: E402
+from .spec import ELEMENT_BYTES, DataType, Interleave, L2Promotion, OOBFill, Swizzle, TensorMapSpec, _enum  # noqa: E402
 
 __all__ = ["SUPPORTED_DSL", "tma_desc_ptr", "prefetch_tma_desc", "l2_evict_first_policy", "l2_evict_last_policy",
            "AtomPlan", "plan_atom", "atom_tensor_map", "bind_atom_tensor_map", "atom_descriptor"]
@@ -231,8 +231,13 @@ def _view_signature(tensor: torch.Tensor, static_layout: bool) -> tuple:
     rank = tensor.dim()
     if not 1 <= rank <= 5:
         raise ValueError(f"tensor rank {rank} is not supported: TMA maps have rank 1..5")
+    strides = tensor.stride()
+    for d, (size, stride) in enumerate(zip(tensor.shape, strides) if 0 in strides else ()):
+        if stride == 0 and size > 1:
+            raise ValueError(f"tensor dim {d} has stride 0 (a broadcast view, e.g. from expand): torch_tma.cute "
+                             f"does not plan such views; pass tensor.contiguous()")
     if static_layout:
-        return tensor.dtype, tuple(tensor.shape), tensor.stride()
+        return tensor.dtype, tuple(tensor.shape), strides
     return tensor.dtype, rank, _leading_dim(tensor)
 
 
@@ -380,15 +385,20 @@ class AtomPlan:
     def spec(self, tensor: torch.Tensor, l2_promotion: L2Promotion = L2Promotion.L2_128B) -> TensorMapSpec:
         """The descriptor inputs (driver order, innermost first) of this atom for ``tensor``, with
         ``l2_promotion`` in place of the atom's 128B."""
-        if _view_signature(tensor, self.static_layout) != self.signature:
-            raise ValueError(f"tensor (dtype {tensor.dtype}, shape {tuple(tensor.shape)}, strides "
-                             f"{tensor.stride()}) does not fit this plan, made for {self.signature}")
-        return _derive_spec(self, tensor.data_ptr(), tensor.shape, tensor.stride(), L2Promotion(l2_promotion))
+        self._check_fits(tensor)
+        return _derive_spec(self, tensor.data_ptr(), tensor.shape, tensor.stride(),
+                            _enum(L2Promotion, l2_promotion, "l2_promotion"))
 
     def atom_descriptor(self, tensor: torch.Tensor) -> bytes:
         """The atom's own descriptor for ``tensor``, as the DSL encodes it on the host: 128 bytes, of which
         the DSL writes the first 64 (the rest stay zero)."""
+        self._check_fits(tensor)
         return _encode_atom(self.encoder, tensor, self.static_layout)
+
+    def _check_fits(self, tensor: torch.Tensor) -> None:
+        if _view_signature(tensor, self.static_layout) != self.signature:
+            raise ValueError(f"tensor (dtype {tensor.dtype}, shape {tuple(tensor.shape)}, strides "
+                             f"{tensor.stride()}) does not fit this plan, made for {self.signature}")
 
     def describe(self) -> str:
         return (f"make_tiled_tma_atom plan: tma_gbasis {self.gbasis} (tensor dims per TMA dim "
@@ -430,8 +440,16 @@ def plan_atom(op, tensor: torch.Tensor, smem_layout: LayoutFactory, cta_tiler, n
                    The mode order can differ between the two, so it must be the kernel's.
     """
     signature = _view_signature(tensor, static_layout)
+    if type(num_multicast) is not int:  # a bool too: True == 1 would find the plan made for 1
+        _check_op(op, num_multicast)
+    if isinstance(cta_tiler, list):
+        cta_tiler = tuple(cta_tiler)  # make_tiled_tma_atom takes a list too; the plan key needs a tuple
     key = (type(op), getattr(op, "cta_group", None), signature, smem_layout, cta_tiler, num_multicast, internal_type)
-    plan = _PLANS.get(key)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:
+        raise TypeError(f"cta_tiler must be a tuple of ints or a zero-argument callable returning a CuTe tiler, "
+                        f"got {type(cta_tiler).__name__} {cta_tiler!r}") from None
     if plan is None:
         _check_op(op, num_multicast)
         if not callable(smem_layout):
@@ -463,6 +481,7 @@ def _check_plan(plan: AtomPlan, atom, gbasis_box, tensor) -> None:
                          f"but the tensor has {tensor.element_size()}-byte elements; torch_tma.cute matches "
                          f"atoms whose internal type has the tensor's width")
     ours = plan.spec(tensor)
+    ours.validate()  # a tensor TMA cannot map (e.g. rows not 16-byte multiples) is the caller's, not a mismatch
     expected = {"rank": (atom.rank, ours.rank), "box": (atom.box, gbasis_box), "dims": (atom.dims, ours.dims),
                 "strides": (atom.strides, ours.strides), "address": (atom.address, ours.address)}
     for name, (theirs, derived) in expected.items():
@@ -489,8 +508,11 @@ def atom_tensor_map(op, tensor: torch.Tensor, smem_layout: LayoutFactory, cta_ti
     """
     plan = plan_atom(op, tensor, smem_layout, cta_tiler, num_multicast, internal_type=internal_type,
                      static_layout=static_layout)
-    spec = _derive_spec(plan, tensor.data_ptr(), tensor.shape, tensor.stride(), L2Promotion(l2_promotion))
-    return (cache or default_cache(tensor.device)).get_spec(spec)
+    cache = cache or default_cache(tensor.device)
+    cache._check_device(tensor)
+    spec = _derive_spec(plan, tensor.data_ptr(), tensor.shape, tensor.stride(),
+                        _enum(L2Promotion, l2_promotion, "l2_promotion"))
+    return cache.get_spec(spec)
 
 
 def atom_descriptor(op, tensor: torch.Tensor, smem_layout: LayoutFactory, cta_tiler, num_multicast: int = 1, *,
@@ -514,5 +536,5 @@ def bind_atom_tensor_map(op, source, smem_layout: LayoutFactory, cta_tiler, num_
     tensor = source() if callable(source) else source
     plan = plan_atom(op, tensor, smem_layout, cta_tiler, num_multicast, internal_type=internal_type,
                      static_layout=static_layout)
-    promotion = L2Promotion(l2_promotion)
+    promotion = _enum(L2Promotion, l2_promotion, "l2_promotion")
     return (cache or default_cache(tensor.device)).bind_spec(source, lambda current: plan.spec(current, promotion))
