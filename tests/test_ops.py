@@ -251,7 +251,8 @@ def test_gpu_other_than_hopper_falls_back_without_the_dsl():
     and never imports the kernel module (the DSL may not be installed there)."""
     code = (
         "import logging, sys, torch, torch.nn.functional as F, torch_tma; from torch_tma import ops; "
-        "log = logging.getLogger('torch_tma'); log.setLevel(logging.INFO); log.addHandler(logging.StreamHandler(sys.stdout)); "
+        "log = logging.getLogger('torch_tma'); log.setLevel(logging.INFO); "
+        "log.addHandler(logging.StreamHandler(sys.stdout)); "
         "ops._capability = lambda index: (8, 0); "
         "x = torch.randn(4, 512, dtype=torch.bfloat16, device='cuda'); "
         "w = torch.randn(256, 512, dtype=torch.bfloat16, device='cuda'); "
@@ -337,7 +338,7 @@ def _test_autocast(device, caplog, monkeypatch):
     weight_lowp = weight.to(torch.bfloat16)
     # relu: a graph of the op alone runs it eagerly, where the autocast state of the call applies anyway
     compiled = torch.compile(lambda *a: torch.relu(torch.ops.tma.linear(*a)), fullgraph=True)
-    ref64 = F.linear(x.to(torch.bfloat16).double().cpu(), weight_lowp.double().cpu(), b.to(torch.bfloat16).double().cpu())
+    ref64 = F.linear(*(t.to(torch.bfloat16).double().cpu() for t in (x, weight_lowp, b)))
     with torch.autocast(device, dtype=torch.bfloat16), caplog.at_level(logging.INFO, logger="torch_tma"):
         if device == "cuda":  # the kernel's case once cast: a silent fallback would make this vacuous
             assert ops.unsupported_reason(x.to(torch.bfloat16), weight_lowp, b.to(torch.bfloat16)) is None

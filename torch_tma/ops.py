@@ -9,9 +9,9 @@ None takes the kernel's measured default for the GPU model and weight size (kern
 
 Registered once through torch.library: a CUDA kernel (the CuTe DSL weight-streaming kernel on Hopper,
 F.linear elsewhere), a CPU kernel (F.linear), a fake kernel for torch.compile, autograd, and autocast on CPU and
-CUDA (F.linear's rule: inputs cast to the autocast dtype). x, weight and bias must share a dtype and a device. The CUDA and Autograd
-kernels are C++ (csrc/linear_op.cpp): a steady-state call runs no Python; the first call of a shape, fallbacks,
-errors and calls that record an autograd graph go to the Python functions here. Where the
+CUDA (F.linear's rule: inputs cast to the autocast dtype). x, weight and bias must share a dtype and a device.
+The CUDA and Autograd kernels are C++ (csrc/linear_op.cpp): a steady-state call runs no Python; the first call of
+a shape, fallbacks, errors and calls that record an autograd graph go to the Python functions here. Where the
 kernel does not apply (M above the crossover, a GPU other than sm_90, a K byte stride that is not a
 multiple of 16, a non-contiguous weight, an unsupported dtype) the CUDA kernel falls back to F.linear and
 logs the reason once per distinct cause (the reason with its numbers taken out) on the "torch_tma" logger at
