@@ -183,12 +183,11 @@ def _linear_fake(x, weight, bias=None, *, l2_promotion=None):
     return x.new_empty(_out_shape(x, weight))
 
 
-def _autocast_kernel(device_type: str) -> Callable:
-    """The op under torch.autocast on device_type: F.linear's autocast rule (floating inputs other than float64
-    cast to the autocast dtype), then the op with autocast excluded, so eager, compiled and fake calls agree on
-    the output's dtype. A weight that needs that cast would be a new tensor, and a new descriptor, on every call:
-    such calls run F.linear on the cast inputs instead (on CUDA with a logged reason)."""
-    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+def _autocast_kernel(device_type: str, key: torch._C.DispatchKey) -> Callable:
+    """The op under torch.autocast on device_type (dispatch key `key`): F.linear's autocast rule (floating inputs
+    other than float64 cast to the autocast dtype), then the op with autocast excluded, so eager, compiled and fake
+    calls agree on the output's dtype. A weight that needs that cast would be a new tensor, and a new descriptor, on
+    every call: such calls run F.linear on the cast inputs instead (on CUDA with a logged reason)."""
 
     def kernel(x, weight, bias=None, *, l2_promotion=None):
         dtype = torch.get_autocast_dtype(device_type)
@@ -198,9 +197,9 @@ def _autocast_kernel(device_type: str) -> Callable:
             return t.to(dtype) if eligible else t
 
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
-            if cast(weight) is weight:
-                return _linear_op(cast(x), weight, cast(bias), l2_promotion=l2_promotion)
             x, weight_cast, bias = cast(x), cast(weight), cast(bias)
+            if weight_cast is weight:
+                return _linear_op(x, weight, bias, l2_promotion=l2_promotion)
             _check_args(x, weight_cast, bias, l2_promotion)
             if device_type == "cuda":
                 _log_fallback(f"weight is {weight.dtype}, not the autocast dtype {dtype}: its cast would be a new "
@@ -218,9 +217,10 @@ _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 _linear_op = torch.ops.tma.linear.default
 for _device_type in ("cpu", "cuda"):
     _autocast_key = "Autocast" + torch._C._dispatch_key_for_device(_device_type)
-    _lib.impl("linear", _autocast_kernel(_device_type), _autocast_key)
+    _autocast = _autocast_kernel(_device_type, getattr(torch._C.DispatchKey, _autocast_key))
+    _lib.impl("linear", _autocast, _autocast_key)
     # ... and for the Python dispatcher torch.compile traces with, so the casts land in the compiled graph
-    _linear_op.py_impl(getattr(torch._C.DispatchKey, _autocast_key))(_autocast_kernel(_device_type))
+    _linear_op.py_impl(getattr(torch._C.DispatchKey, _autocast_key))(_autocast)
 
 
 class _Linear(torch.autograd.Function):
