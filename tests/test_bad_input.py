@@ -18,6 +18,7 @@ import torch_tma.nn as tnn
 from torch_tma import ops
 
 GPU_TIMEOUT_S = 300
+ArgErr = ops.LinearArgumentError
 
 
 def _xw(m=3, n=16, k=32, dtype=torch.float32, device="cpu"):
@@ -28,23 +29,23 @@ def _xw(m=3, n=16, k=32, dtype=torch.float32, device="cpu"):
 RAISES = [
     ("op x not a tensor", lambda: torch.ops.tma.linear([1.0], torch.ones(2, 2)), RuntimeError,
      "Expected a value of type 'Tensor' for argument 'x'"),
-    ("op weight 1-D", lambda: torch.ops.tma.linear(*_xw()[:1], torch.ones(32)), ValueError, "weight must be 2-D"),
-    ("op K mismatch", lambda: torch.ops.tma.linear(torch.ones(3, 8), _xw()[1]), ValueError,
+    ("op weight 1-D", lambda: torch.ops.tma.linear(*_xw()[:1], torch.ones(32)), ArgErr, "weight must be 2-D"),
+    ("op K mismatch", lambda: torch.ops.tma.linear(torch.ones(3, 8), _xw()[1]), ArgErr,
      "x's last dim must equal weight's K=32"),
-    ("op 0-d x", lambda: torch.ops.tma.linear(torch.tensor(1.0), _xw()[1]), ValueError, "x's last dim"),
-    ("op bias shape", lambda: torch.ops.tma.linear(*_xw(), torch.ones(8)), ValueError, r"bias must be \[N=16\]"),
-    ("op dtype mismatch", lambda: torch.ops.tma.linear(_xw()[0], _xw()[1].bfloat16()), ValueError,
+    ("op 0-d x", lambda: torch.ops.tma.linear(torch.tensor(1.0), _xw()[1]), ArgErr, "x's last dim"),
+    ("op bias shape", lambda: torch.ops.tma.linear(*_xw(), torch.ones(8)), ArgErr, r"bias must be \[N=16\]"),
+    ("op dtype mismatch", lambda: torch.ops.tma.linear(_xw()[0], _xw()[1].bfloat16()), ArgErr,
      "weight is torch.bfloat16 on cpu, x is torch.float32 on cpu: they must match"),
-    ("op bias dtype mismatch", lambda: torch.ops.tma.linear(*_xw(), torch.ones(16, dtype=torch.float64)), ValueError,
+    ("op bias dtype mismatch", lambda: torch.ops.tma.linear(*_xw(), torch.ones(16, dtype=torch.float64)), ArgErr,
      "bias is torch.float64 on cpu, x is torch.float32"),
     ("op meta dtype mismatch", lambda: torch.ops.tma.linear(torch.ones(2, 8, device="meta"),
                                                             torch.ones(3, 8, device="meta", dtype=torch.half)),
-     ValueError, "weight is torch.float16 on meta"),
-    ("op promotion value", lambda: torch.ops.tma.linear(*_xw(), l2_promotion=7), ValueError, "l2_promotion=7"),
+     ArgErr, "weight is torch.float16 on meta"),
+    ("op promotion value", lambda: torch.ops.tma.linear(*_xw(), l2_promotion=7), ArgErr, "l2_promotion=7"),
     ("op promotion string", lambda: torch.ops.tma.linear(*_xw(), l2_promotion="L2_64B"), RuntimeError,
      "Optional\\[int\\]' for argument 'l2_promotion'"),
     ("op meta bad K", lambda: torch.ops.tma.linear(torch.ones(2, 8, device="meta"), torch.ones(3, 4, device="meta")),
-     ValueError, "weight's K=4"),
+     ArgErr, "weight's K=4"),
     ("Linear promotion", lambda: tnn.Linear(8, 8, l2_promotion=9), ValueError, "9 is not a valid L2Promotion"),
     ("from_linear non-Linear", lambda: tnn.Linear.from_linear(nn.Conv1d(1, 1, 1)), TypeError,
      "expected an nn.Linear, got Conv1d"),
@@ -63,6 +64,32 @@ RAISES = [
 def test_raises(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+# the same mistakes made with nn.Linear's F.linear: each raises a RuntimeError there, and the op's error is one too
+F_LINEAR_MISTAKES = [
+    ("K mismatch", lambda: (torch.ones(3, 8), _xw()[1], None)),
+    ("bias shape", lambda: (*_xw(), torch.ones(8))),
+    ("dtype mismatch", lambda: (_xw()[0], _xw()[1].double(), None)),
+    ("bias dtype mismatch", lambda: (*_xw(), torch.ones(16, dtype=torch.float64))),
+]
+
+
+@pytest.mark.parametrize("make", [c[1] for c in F_LINEAR_MISTAKES], ids=[c[0] for c in F_LINEAR_MISTAKES])
+def test_op_errors_are_caught_where_f_linear_errors_are(make):
+    args = make()
+    with pytest.raises(RuntimeError):
+        F.linear(*args)
+    with pytest.raises(RuntimeError) as raised:
+        torch.ops.tma.linear(*args)
+    assert isinstance(raised.value, ValueError) and type(raised.value) is ArgErr
+    with pytest.raises(RuntimeError):  # the module, which nn.Linear's users call
+        layer = tnn.Linear(args[1].shape[1], args[1].shape[0], bias=args[2] is not None, dtype=args[1].dtype)
+        with torch.no_grad():
+            layer.weight.copy_(args[1])
+            if args[2] is not None:
+                layer.bias = nn.Parameter(args[2])
+        layer(args[0])
 
 
 def test_swap_linear_bad_promotion_leaves_model_unchanged():
@@ -131,11 +158,11 @@ def test_mixed_devices_raise_naming_the_argument(caplog, monkeypatch):
     monkeypatch.setattr(ops, "_logged_reasons", set())
     x, w = _bf16(4, 256, 512)
     with caplog.at_level(logging.INFO, logger="torch_tma"):
-        with pytest.raises(ValueError, match="weight is torch.bfloat16 on cuda:0, x is torch.bfloat16 on cpu"):
+        with pytest.raises(ArgErr, match="weight is torch.bfloat16 on cuda:0, x is torch.bfloat16 on cpu"):
             torch.ops.tma.linear(x.cpu(), w)
-        with pytest.raises(ValueError, match="bias is torch.bfloat16 on cpu, x is torch.bfloat16 on cuda:0"):
+        with pytest.raises(ArgErr, match="bias is torch.bfloat16 on cpu, x is torch.bfloat16 on cuda:0"):
             torch.ops.tma.linear(x, w, torch.zeros(256, dtype=torch.bfloat16))
-        with pytest.raises(ValueError, match="weight is torch.float16 on cuda:0, x is torch.bfloat16 on cuda:0"):
+        with pytest.raises(ArgErr, match="weight is torch.float16 on cuda:0, x is torch.bfloat16 on cuda:0"):
             torch.ops.tma.linear(x, w.half())
     assert not caplog.records  # no fallback is claimed for a call that raises
 

@@ -10,6 +10,8 @@ None takes the kernel's measured default for the GPU model and weight size (kern
 Registered once through torch.library: a CUDA kernel (the CuTe DSL weight-streaming kernel on Hopper,
 F.linear elsewhere), a CPU kernel (F.linear), a fake kernel for torch.compile, autograd, and autocast on CPU and
 CUDA (F.linear's rule: inputs cast to the autocast dtype). x, weight and bias must share a dtype and a device.
+Inputs that do not describe a linear layer raise LinearArgumentError, a ValueError and a RuntimeError (what
+F.linear raises for them).
 The CUDA and Autograd kernels are C++ (csrc/linear_op.cpp): a steady-state call runs no Python; the first call of
 a shape, fallbacks, errors and calls that record an autograd graph go to the Python functions here. Where the
 kernel does not apply (M above the crossover, a GPU other than sm_90, a K byte stride that is not a
@@ -39,7 +41,7 @@ from . import _C
 from .cache import TensorMapCache, default_cache
 from .spec import L2Promotion, Swizzle
 
-__all__ = ["bind_weight_map", "unsupported_reason", "weight_unsupported_reason"]
+__all__ = ["LinearArgumentError", "bind_weight_map", "unsupported_reason", "weight_unsupported_reason"]
 
 _log = logging.getLogger("torch_tma")
 
@@ -55,22 +57,31 @@ def _out_shape(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, ...]:
     return (*x.shape[:-1], weight.shape[0])
 
 
+class LinearArgumentError(ValueError, RuntimeError):
+    """tma::linear's inputs do not describe a linear layer; the message names the argument.
+
+    A ValueError, and a RuntimeError as F.linear raises for the same mistakes (shapes that cannot be multiplied,
+    mixed dtypes or devices), so code written for nn.Linear catches it where it caught those.
+    """
+
+
 def _check_args(x, weight, bias, l2_promotion) -> None:
-    """Raise ValueError naming the argument when the inputs do not describe a linear layer."""
+    """Raise LinearArgumentError naming the argument when the inputs do not describe a linear layer."""
     w_shape = weight.shape
     if len(w_shape) != 2:
-        raise ValueError(f"tma::linear: weight must be 2-D [N, K], got shape {tuple(w_shape)}")
+        raise LinearArgumentError(f"tma::linear: weight must be 2-D [N, K], got shape {tuple(w_shape)}")
     x_shape = x.shape
     if not x_shape or x_shape[-1] != w_shape[1]:
-        raise ValueError(f"tma::linear: x's last dim must equal weight's K={w_shape[1]}, got x shape {tuple(x_shape)}")
+        raise LinearArgumentError(f"tma::linear: x's last dim must equal weight's K={w_shape[1]}, "
+                                  f"got x shape {tuple(x_shape)}")
     if bias is not None and bias.shape != w_shape[:1]:
-        raise ValueError(f"tma::linear: bias must be [N={w_shape[0]}], got shape {tuple(bias.shape)}")
+        raise LinearArgumentError(f"tma::linear: bias must be [N={w_shape[0]}], got shape {tuple(bias.shape)}")
     for name, t in (("weight", weight), ("bias", bias)):  # under torch.autocast the Autocast kernel casts first
         if t is not None and (t.dtype != x.dtype or t.device != x.device):
-            raise ValueError(f"tma::linear: {name} is {t.dtype} on {t.device}, x is {x.dtype} on {x.device}: "
-                             f"they must match")
+            raise LinearArgumentError(f"tma::linear: {name} is {t.dtype} on {t.device}, "
+                                      f"x is {x.dtype} on {x.device}: they must match")
     if l2_promotion is not None and l2_promotion not in _L2_PROMOTION_VALUES:
-        raise ValueError(
+        raise LinearArgumentError(
             f"tma::linear: l2_promotion={l2_promotion!r} is not a torch_tma.L2Promotion value "
             f"{sorted(_L2_PROMOTION_VALUES)} (None takes the kernel's default)"
         )
