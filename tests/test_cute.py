@@ -206,6 +206,11 @@ def test_refuses_bad_arguments():
         tma_cute.plan_atom(cpasync.CopyBulkTensorTileG2SOp(), x[:, ::2], smem_64x64, (64, 64))
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         tma_cute.plan_atom(cpasync.CopyBulkTensorTileG2SOp(), x.numpy(), smem_64x64, (64, 64))
+    # the DSL folds a rank-6 tensor's modes whether or not the box is then the tile (docs/probes/cute_rank6.py)
+    for static_layout in (False, True):
+        with pytest.raises(ValueError, match="tensor rank 6 is not supported.*at most 5 dims"):
+            tma_cute.plan_atom(cpasync.CopyBulkTensorTileG2SOp(), torch.randn(2, 3, 3, 3, 16, 64).half(),
+                               smem_64x64, (1, 1, 1, 1, 64, 64), static_layout=static_layout)
 
 
 def test_refuses_bad_arguments_even_with_a_cached_plan():

@@ -78,6 +78,9 @@ __all__ = ["SUPPORTED_DSL", "tma_desc_ptr", "prefetch_tma_desc", "l2_evict_first
 
 # The TMA unit requires descriptor addresses aligned to 64 bytes; torch_tma's slots are at least that.
 DESCRIPTOR_ALIGN = 64
+# Tensors of more dims are refused: the DSL folds a rank-6 tensor's modes into 5 TMA dims whether or not they are
+# contiguous, and its box then covers other elements than the tile's (docs/probes/cute_rank6.py shows it).
+MAX_TENSOR_RANK = 5
 # Scopes of the descriptor acquire fence in tma_desc_ptr: .sys (host-written slots, the guide's rule) or .gpu.
 _FENCE_SCOPES = ("sys", "gpu")
 # The acquire fence tma_desc_ptr issues on a slot ($0: its address), by scope; prefetch_tma_desc may issue it too.
@@ -229,8 +232,10 @@ def _view_signature(tensor: torch.Tensor, static_layout: bool) -> tuple:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     rank = tensor.dim()
-    if not 1 <= rank <= 5:
-        raise ValueError(f"tensor rank {rank} is not supported: TMA maps have rank 1..5")
+    if not 1 <= rank <= MAX_TENSOR_RANK:
+        raise ValueError(f"tensor rank {rank} is not supported: TMA maps have rank 1..5, and for a rank-6 tensor "
+                         f"make_tiled_tma_atom folds two modes into one TMA dim even where they are not contiguous "
+                         f"(docs/cute.md); view the tensor with at most {MAX_TENSOR_RANK} dims")
     strides = tensor.stride()
     for d, (size, stride) in enumerate(zip(tensor.shape, strides) if 0 in strides else ()):
         if stride == 0 and size > 1:
