@@ -83,13 +83,14 @@ def test_op_errors_are_caught_where_f_linear_errors_are(make):
     with pytest.raises(RuntimeError) as raised:
         torch.ops.tma.linear(*args)
     assert isinstance(raised.value, ValueError) and type(raised.value) is ArgErr
-    with pytest.raises(RuntimeError):  # the module, which nn.Linear's users call
-        layer = tnn.Linear(args[1].shape[1], args[1].shape[0], bias=args[2] is not None, dtype=args[1].dtype)
-        with torch.no_grad():
-            layer.weight.copy_(args[1])
-            if args[2] is not None:
-                layer.bias = nn.Parameter(args[2])
+    layer = tnn.Linear(args[1].shape[1], args[1].shape[0], bias=args[2] is not None, dtype=args[1].dtype)
+    with torch.no_grad():
+        layer.weight.copy_(args[1])
+    if args[2] is not None:
+        layer.bias = nn.Parameter(args[2])
+    with pytest.raises(RuntimeError) as raised:  # the module, which nn.Linear's users call
         layer(args[0])
+    assert type(raised.value) is ArgErr
 
 
 def test_swap_linear_bad_promotion_leaves_model_unchanged():

@@ -208,7 +208,7 @@ def test_refuses_bad_arguments():
         tma_cute.plan_atom(cpasync.CopyBulkTensorTileG2SOp(), x.numpy(), smem_64x64, (64, 64))
     # the DSL folds a rank-6 tensor's modes whether or not the box is then the tile (docs/probes/cute_rank6.py)
     for static_layout in (False, True):
-        with pytest.raises(ValueError, match="tensor rank 6 is not supported.*at most 5 dims"):
+        with pytest.raises(ValueError, match="tensor rank 6 is not supported.*folds.*at most 5 dims"):
             tma_cute.plan_atom(cpasync.CopyBulkTensorTileG2SOp(), torch.randn(2, 3, 3, 3, 16, 64).half(),
                                smem_64x64, (1, 1, 1, 1, 64, 64), static_layout=static_layout)
 

@@ -233,9 +233,10 @@ def _view_signature(tensor: torch.Tensor, static_layout: bool) -> tuple:
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     rank = tensor.dim()
     if not 1 <= rank <= MAX_TENSOR_RANK:
-        raise ValueError(f"tensor rank {rank} is not supported: TMA maps have rank 1..5, and for a rank-6 tensor "
-                         f"make_tiled_tma_atom folds two modes into one TMA dim even where they are not contiguous "
-                         f"(docs/cute.md); view the tensor with at most {MAX_TENSOR_RANK} dims")
+        why = (" (make_tiled_tma_atom folds two of a rank-6 tensor's modes into one TMA dim whose box is then not the "
+               "tile, docs/cute.md)" if rank == MAX_TENSOR_RANK + 1 else "")
+        raise ValueError(f"tensor rank {rank} is not supported: TMA maps have rank 1..{MAX_TENSOR_RANK}{why}; view "
+                         f"the tensor with at least 1 and at most {MAX_TENSOR_RANK} dims")
     strides = tensor.stride()
     for d, (size, stride) in enumerate(zip(tensor.shape, strides) if 0 in strides else ()):
         if stride == 0 and size > 1:
