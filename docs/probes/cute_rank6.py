@@ -37,11 +37,11 @@ def main() -> None:
         print(f"{name}: shape {tuple(x.shape)}, element strides {x.stride()}")
         print(f"  tma_gbasis {plan.gbasis}")
         print(f"  atom: dims {atom.dims}, byte strides {atom.strides}, box {atom.box}")
-        ratio, tile_d1 = x.stride(0) // x.stride(1), 2
-        box = range(tile_d1 * 2)  # the box along the folded dim, from coordinate 0
-        tile = sorted(ratio * d0 + d1 for d0 in range(2) for d1 in range(tile_d1))
-        verdict = "the tile" if list(box) == tile else "NOT the tile"
-        print(f"  dims 0 and 1 folded: the box covers coordinates {list(box)}, the 2 x 2 tile's elements sit at "
+        ratio = x.stride(0) // x.stride(1)
+        box = list(range(atom.box[-1]))  # the atom's box along the folded (outermost) TMA dim, from coordinate 0
+        tile = sorted(ratio * d0 + d1 for d0 in range(2) for d1 in range(2))  # smem_rank6's 2 x 2 over dims 0, 1
+        verdict = "the tile" if box == tile else "NOT the tile"
+        print(f"  dims 0 and 1 folded: the box covers coordinates {box}, the 2 x 2 tile's elements sit at "
               f"{tile}: {verdict}")
 
 
