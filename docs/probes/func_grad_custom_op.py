@@ -8,6 +8,8 @@ float64 one, or the error that stopped it. In torch 2.13 both stop with the same
 that torch.library's Autograd kernel applies has no setup_context of its own, so this is torch's limit for
 custom ops, not one torch_tma adds (docs/serving.md, "torch.compile").
 """
+import argparse
+
 import torch
 
 import torch_tma  # noqa: F401  (registers torch.ops.tma)
@@ -47,6 +49,7 @@ def try_grad(name, op):
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     print(f"torch {torch.__version__}")
     try_grad("torch.library.custom_op + register_autograd", toy_mm)
     try_grad("torch.ops.tma.linear (CPU)", torch.ops.tma.linear)
