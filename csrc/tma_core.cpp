@@ -197,6 +197,17 @@ struct Entry {
   int64_t slot = 0;  // device address of the 128-byte slot (bound entries)
 };
 
+// One key entry: an int (not a bool, which would key True as 1) within int64.
+int64_t key_int(PyObject* v, const char* what) {
+  if (!PyLong_Check(v) || PyBool_Check(v)) throw py::type_error(std::string(what) + " entries must be ints");
+  int64_t out = PyLong_AsLongLong(v);
+  if (out == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw py::value_error(std::string(what) + " entry " + py::repr(v).cast<std::string>() + " is outside int64");
+  }
+  return out;
+}
+
 // Appends a sequence of ints (length first), or -1 for None. Raw CPython: this runs on every get().
 void append_seq(Key& k, py::handle seq, const char* what) {
   PyObject* obj = seq.ptr();
@@ -209,12 +220,11 @@ void append_seq(Key& k, py::handle seq, const char* what) {
   Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
   PyObject** items = PySequence_Fast_ITEMS(fast);
   k.push_back(n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!PyLong_Check(items[i])) {
-      Py_DECREF(fast);
-      throw py::type_error(std::string(what) + " entries must be ints");
-    }
-    k.push_back(PyLong_AsLongLong(items[i]));
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) k.push_back(key_int(items[i], what));
+  } catch (...) {
+    Py_DECREF(fast);
+    throw;
   }
   Py_DECREF(fast);
 }
@@ -246,7 +256,7 @@ Key tuple_key(const py::tuple& fields) {
   Key k{2};
   for (auto item : fields) {
     if (PyLong_Check(item.ptr())) {
-      k.push_back(item.cast<int64_t>());
+      k.push_back(key_int(item.ptr(), "spec key"));
     } else {
       append_seq(k, item, "spec key");
     }
@@ -511,9 +521,10 @@ bool int_arg(PyObject* v, int64_t& out, int64_t none_value) {
     out = none_value;
     return true;
   }
-  if (!PyLong_Check(v)) return false;
+  // Enum codes are ints >= 0; anything else (a bool, -1 for data_type) goes to the Python path, which names it.
+  if (!PyLong_Check(v) || PyBool_Check(v)) return false;
   out = PyLong_AsLongLong(v);
-  if (out == -1 && PyErr_Occurred()) {
+  if (out < 0) {
     PyErr_Clear();
     return false;
   }
@@ -612,7 +623,8 @@ PyObject* bound_source(PyObject* src, PyObject* attr) {
 }
 
 // BoundTensorMap.ptr: the slot address if the source tensor still has the address, dtype, shape and strides it
-// was encoded for; otherwise handle._refresh_and_ptr() (Python) refreshes in place and returns the same address.
+// was encoded for; otherwise handle._refresh_and_ptr() (Python) refreshes in place and returns the same address
+// (or, once close() has removed _native, raises StaleTensorMapError).
 PyObject* bound_ptr(PyObject*, PyObject* handle) {
   PyObject* dict = PyObject_GenericGetDict(handle, nullptr);
   if (!dict) return nullptr;
@@ -620,8 +632,10 @@ PyObject* bound_ptr(PyObject*, PyObject* handle) {
   PyObject* src = PyDict_GetItemWithError(dict, attr_src);
   PyObject* attr = PyDict_GetItemWithError(dict, attr_src_attr);
   Py_DECREF(dict);  // the handle keeps the items alive
-  if (!capsule || !src || !attr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "BoundTensorMap is not initialised");
+  if (PyErr_Occurred()) return nullptr;
+  if (!capsule) return PyObject_CallMethodNoArgs(handle, attr_refresh);  // closed: refresh() says so
+  if (!src || !attr) {
+    PyErr_SetString(PyExc_AttributeError, "BoundTensorMap is not initialised");
     return nullptr;
   }
   auto* st = static_cast<BoundState*>(PyCapsule_GetPointer(capsule, "torch_tma.BoundState"));

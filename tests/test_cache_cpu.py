@@ -2,6 +2,7 @@
 
 A cache on the CPU device runs the real table and slot logic; only the driver call is replaced by a fake
 encoder that returns 128 bytes derived from the spec, so nothing here pretends to test the driver."""
+import os
 import subprocess
 import sys
 import threading
@@ -200,3 +201,89 @@ def test_import_without_a_driver_fails_only_on_device_use():
         assert "ERROR torch_tma:" in out and "NVIDIA" in out
     else:
         assert torch.cuda.is_available() or "libcuda" not in out
+
+
+def test_a_closed_bound_handle_is_stale_and_left_out_of_refresh_all():
+    cache = cpu_cache(slots=2, chunk_slots=2)
+    holder = {"t": torch.empty(64, 128, dtype=torch.float16)}
+    make = lambda t: TensorMapSpec.from_strided(t.data_ptr(), t.dtype, t.shape, t.stride(), (32, 64))
+    handle = cache.bind_spec(lambda: holder["t"], make)
+    slot = handle.ptr
+    handle.close()
+    handle.close()  # twice is fine
+    assert cache.stats()["bound"] == 0
+    for read in (lambda: handle.ptr, handle.refresh, lambda: handle.map.ptr):
+        with pytest.raises(StaleTensorMapError, match="given back by close|was evicted"):
+            read()
+    holder["t"] = torch.empty(64, 128, dtype=torch.float16)  # moved: refresh_all must not write the old slot
+    assert cache.refresh_all() == 0
+    other = cache.get_spec(spec(address=0x900000))
+    cache.get_spec(spec(address=0xA00000))  # the arena's two slots are in use: the closed one was reused
+    assert slot in {other._ptr, cache.get_spec(spec(address=0xA00000))._ptr}
+    assert cache.refresh_all() == 0
+    with pytest.raises(StaleTensorMapError, match="given back by close"):
+        handle.ptr
+
+
+@pytest.fixture
+def cpu_tensor_specs(monkeypatch):
+    """TensorMapSpec.from_tensor without its CUDA check, so cache.get runs on CPU tensors (the only change)."""
+    def from_tensor(cls, tensor, box, **kwargs):
+        return cls.from_strided(tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.stride(), box, **kwargs)
+    monkeypatch.setattr(TensorMapSpec, "from_tensor", classmethod(from_tensor))
+
+
+def test_get_keys_on_checked_ints(cpu_tensor_specs):
+    cache = cpu_cache(slots=8, chunk_slots=8)
+    x = torch.randn(64, 128, dtype=torch.float16)
+    first = cache.get(x, (torch.tensor(32), 64))  # __index__ ints are accepted, as by the spec...
+    assert cache.get(x, (32, 64)) is first  # ...and keyed as the ints the native hit path sees
+    bound = cache.bind(x, [torch.tensor(16), 64])
+    assert cache.get(x, (16, 64)) is bound.map
+    cache.get(x, (1, 64))
+    with pytest.raises(TypeError, match=r"box\[0\] must be an int, got bool True"):  # not a hit on (1, 64)
+        cache.get(x, (True, 64))
+    cache.get(x, (16, 16), swizzle=torch_tma.Swizzle.B32)
+    with pytest.raises(TypeError, match="swizzle must be a torch_tma.Swizzle, got bool True"):
+        cache.get(x, (16, 16), swizzle=True)
+    with pytest.raises(ValueError, match="data_type=-1 is not a DataType"):  # not the data_type=None entry
+        cache.get(x, (32, 64), data_type=-1)
+    with pytest.raises(ValueError, match=r"box\[1\]=1180591620717411303424 is out of range"):
+        cache.get(x, (2**70, 64))
+    assert cache.stats()["misses"] == 4
+
+
+@pytest.mark.parametrize("field, value, pattern", [
+    ("address", 2**63, "address=0x8000000000000000 is out of range"),
+    ("dims", (2**64, 64), r"dims\[0\]=18446744073709551616 is out of range"),
+    ("strides", (2**63,), r"strides\[0\]=9223372036854775808 bytes is out of range"),
+])
+def test_get_spec_names_values_outside_int64(field, value, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        cpu_cache().get_spec(spec().replace(**{field: value}))
+
+
+def test_native_keys_refuse_bools_and_values_outside_int64():
+    table = _C.Table("cpu", 0)
+    x = torch.randn(4, 64)
+    with pytest.raises(TypeError, match="box entries must be ints"):
+        table.lookup(x, (True, 64), None, 0, 0, 2, 0, -1)
+    with pytest.raises(ValueError, match="box entry 18446744073709551616 is outside int64"):
+        table.lookup(x, (2**64, 64), None, 0, 0, 2, 0, -1)
+
+
+def test_cache_bytes_from_the_environment_are_read_when_a_cache_is_made():
+    code = ("import torch_tma\n"
+            "for value in ('16MiB', '1000'):\n"
+            "    import os; os.environ['TORCH_TMA_CACHE_BYTES'] = value\n"
+            "    try:\n"
+            "        torch_tma.TensorMapCache('cpu')\n"
+            "    except ValueError as e:\n"
+            "        print('ERROR', e)\n"
+            "os.environ['TORCH_TMA_CACHE_BYTES'] = str(1 << 20)\n"
+            "print('CAP', torch_tma.TensorMapCache('cpu').capacity_bytes)\n")
+    env = {**os.environ, "TORCH_TMA_CACHE_BYTES": "not a number"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert "ERROR TORCH_TMA_CACHE_BYTES='16MiB' must be a whole number of bytes" in out
+    assert "ERROR TORCH_TMA_CACHE_BYTES=1000 is below one chunk (65536 B)" in out
+    assert f"CAP {1 << 20}" in out

@@ -62,6 +62,21 @@ def test_decode_reports_dsl_flags_and_rejects_short_input():
         decode(b"\0" * 32)
 
 
+@pytest.mark.parametrize("rank_code", [5, 6, 7])
+def test_decode_names_a_rank_field_above_5(rank_code):
+    raw = bytearray(bytes.fromhex(RECORDS[0]["raw"]))
+    raw[8] = (raw[8] & 0x8F) | (rank_code << 4)  # q1 bits 4-6: rank - 1
+    with pytest.raises(ValueError, match=f"rank field {rank_code + 1} in q1=.*rank 1..5"):
+        decode(bytes(raw))
+
+
+def test_decode_names_an_interleave_field_of_3():
+    raw = bytearray(bytes.fromhex(RECORDS[0]["raw"]))
+    raw[9] |= 0x18  # q1 bits 11-12: interleave
+    with pytest.raises(ValueError, match="interleave field 3 in q1="):
+        decode(bytes(raw))
+
+
 def test_promotion_bits_match_the_feature_request():
     """Byte 10 = 0x00/0x02/0x04/0x06 for NONE/64B/128B/256B (../shared/reference/000_*.txt)."""
     by_promotion = {}

@@ -1,4 +1,5 @@
 """TensorMapSpec: the torch-order -> driver-order conversion and every validation rule (CPU)."""
+import dataclasses
 import re
 
 import pytest
@@ -133,6 +134,10 @@ def test_from_strided_errors():
         TensorMapSpec.from_strided(0x1000, torch.float16, (2,) * 6, (32, 16, 8, 4, 2, 1), (1,) * 6)
     with pytest.raises(ValueError, match=r"stride\[0\]=-16 is negative"):
         TensorMapSpec.from_strided(0x1000, torch.float16, (16, 16), (-16, 1), (8, 8))
+    with pytest.raises(ValueError, match=r"stride=\(64,\) has 1 entries but shape=\(4, 64\) has 2"):
+        TensorMapSpec.from_strided(0x1000, torch.float16, (4, 64), (64,), (4, 64))
+    with pytest.raises(ValueError, match=r"stride=\(64, 1, 1\) has 3 entries but shape=\(4, 64\) has 2"):
+        TensorMapSpec.from_strided(0x1000, torch.float16, (4, 64), (64, 1, 1), (4, 64))
     with pytest.raises(ValueError, match=r"elem_strides=\(1,\) has 1 entries but the tensor has rank 2"):
         TensorMapSpec.from_strided(0x1000, torch.float16, (16, 16), (16, 1), (8, 8), elem_strides=(1,))
 
@@ -157,3 +162,10 @@ def test_describe_names_fields_innermost_first():
     text = spec().describe()
     assert "FLOAT16 rank 3" in text and "dims [128, 64, 8]" in text and "innermost first" in text
     assert "L2 promotion L2_256B" in text
+
+
+def test_a_replaced_spec_is_checked_again():
+    valid = spec().validate()
+    changed = dataclasses.replace(valid, box=(256, 32, 2))  # 512 B inner box under a 128-byte swizzle
+    with pytest.raises(ValueError, match=r"box\[0\]=256 .* exceeds the 128-byte span of swizzle B128"):
+        changed.validate()

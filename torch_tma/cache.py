@@ -36,7 +36,20 @@ __all__ = ["TensorMap", "BoundTensorMap", "TensorMapCache", "default_cache", "Ca
 
 log = logging.getLogger("torch_tma")
 SLOT_BYTES = DESCRIPTOR_BYTES
-DEFAULT_CAPACITY = int(os.environ.get("TORCH_TMA_CACHE_BYTES", 16 << 20))
+DEFAULT_CAPACITY = 16 << 20  # capacity_bytes where neither the argument nor TORCH_TMA_CACHE_BYTES gives one
+
+
+def _capacity_from_env() -> int:
+    """TORCH_TMA_CACHE_BYTES, read when a cache is made (a bad value fails there, naming the variable, not at
+    import)."""
+    value = os.environ.get("TORCH_TMA_CACHE_BYTES")
+    if value is None:
+        return DEFAULT_CAPACITY
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"TORCH_TMA_CACHE_BYTES={value!r} must be a whole number of bytes "
+                         f"(e.g. {DEFAULT_CAPACITY} for the default 16 MiB)") from None
 DEFAULT_CHUNK = 64 << 10
 _DEBUG = os.environ.get("TORCH_TMA_DEBUG", "0") not in ("", "0")
 
@@ -100,9 +113,11 @@ class BoundTensorMap:
     ptr = property(_C.bound_ptr, doc="Device address of the slot (stable); refreshes first if the source moved.")
 
     def __init__(self, cache: "TensorMapCache", source, make_spec: Callable[[torch.Tensor], TensorMapSpec],
-                 key_args: tuple | None):
+                 key_given: tuple[bool, bool] | None):
+        # key_given: None where get_spec() finds the handle (bind_spec), else whether bind() was given elem_strides
+        # and data_type (get() keys on the tensor and the arguments as given: see _tensor_key_args)
         self._src, self._src_attr = _as_source(source)
-        self._cache, self._make_spec, self._key_args = cache, make_spec, key_args
+        self._cache, self._make_spec, self._key_given = cache, make_spec, key_given
         self.map: TensorMap = cache._bind_new(self)
         self._id = self.map._entry_id
         self._native = _C.make_bound_state(cache._table, self._id)
@@ -122,10 +137,16 @@ class BoundTensorMap:
 
     def refresh(self) -> bool:
         """Re-encode into the same slot if the source tensor moved; True if it did."""
+        if not self._finalizer.alive:
+            raise StaleTensorMapError(f"this bound descriptor's slot {self.map._ptr:#x} was given back by close() "
+                                      f"and may hold another descriptor: bind() again")
         return self._cache._refresh(self)
 
     def close(self) -> None:
-        """Give the slot back (it is reused only after kernels that may read it have finished)."""
+        """Give the slot back (it is reused only after kernels that may read it have finished). Afterwards
+        ``ptr``, ``refresh()`` and ``map.ptr`` raise StaleTensorMapError; ``refresh_all`` skips the handle."""
+        self.__dict__.pop("_native", None)  # ptr's native getter then defers to refresh(), which raises
+        self._cache._bound.discard(self)
         self._finalizer()
 
     @property
@@ -139,14 +160,17 @@ class BoundTensorMap:
 class TensorMapCache:
     """Descriptors for one device, in an arena of 128-byte slots capped at ``capacity_bytes``."""
 
-    def __init__(self, device=None, *, capacity_bytes: int = DEFAULT_CAPACITY, chunk_bytes: int = DEFAULT_CHUNK):
+    def __init__(self, device=None, *, capacity_bytes: int | None = None, chunk_bytes: int = DEFAULT_CHUNK):
+        source = "capacity_bytes"
+        if capacity_bytes is None:
+            capacity_bytes, source = _capacity_from_env(), "TORCH_TMA_CACHE_BYTES"
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if chunk_bytes % SLOT_BYTES or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of {SLOT_BYTES}")
         if capacity_bytes < chunk_bytes:
-            raise ValueError(f"capacity_bytes={capacity_bytes} is below one chunk ({chunk_bytes} B)")
+            raise ValueError(f"{source}={capacity_bytes} is below one chunk ({chunk_bytes} B)")
         self.device, self.capacity_bytes, self.chunk_bytes = device, capacity_bytes, chunk_bytes
         self._table = _C.Table(device.type, device.index or 0)
         self._lock = threading.RLock()
@@ -168,20 +192,13 @@ class TensorMapCache:
         """The descriptor for ``tensor`` with ``box`` (torch order, outermost first) and the given encoding.
         A hit costs one native lookup (on instances this method is served natively; this Python body runs for
         misses); a miss encodes and writes a slot on the current stream."""
-        try:
-            hit = self._table.lookup(tensor, box, elem_strides, interleave, swizzle, l2_promotion, oob_fill,
-                                     -1 if data_type is None else data_type)
-        except TypeError:  # not a tensor, or box not ints: the miss path names the argument
-            hit = None
-        if hit is not None:
-            return hit
         kw = dict(swizzle=swizzle, l2_promotion=l2_promotion, interleave=interleave, oob_fill=oob_fill,
                   elem_strides=elem_strides, data_type=data_type)
         spec = TensorMapSpec.from_tensor(tensor, box, **kw)
         self._check_device(tensor)
+        spec.validate(self._compute_capability())
+        key_args = _tensor_key_args(spec, elem_strides is not None, data_type is not None)
         with self._lock:
-            key_args = (box, elem_strides, interleave, swizzle, l2_promotion, oob_fill,
-                        -1 if data_type is None else data_type)
             hit = self._table.lookup(tensor, *key_args)
             if hit is not None:
                 return hit
@@ -194,7 +211,11 @@ class TensorMapCache:
         if not isinstance(spec, TensorMapSpec):
             raise TypeError(f"expected a TensorMapSpec, got {type(spec).__name__}")
         key = spec.key()
-        hit = self._table.lookup_spec(key)
+        try:
+            hit = self._table.lookup_spec(key)
+        except ValueError:  # an entry outside int64 (csrc/tma_core.cpp: append_seq): the validator names it
+            spec.validate(self._compute_capability())
+            raise
         if hit is not None:
             return hit
         with self._lock:
@@ -213,9 +234,8 @@ class TensorMapCache:
         While bound, ``get`` with the same tensor and arguments returns the bound slot."""
         kw = dict(swizzle=swizzle, l2_promotion=l2_promotion, interleave=interleave, oob_fill=oob_fill,
                   elem_strides=elem_strides, data_type=data_type)
-        key_args = (box, elem_strides, interleave, swizzle, l2_promotion, oob_fill,
-                    -1 if data_type is None else data_type)
-        return BoundTensorMap(self, source, lambda t: TensorMapSpec.from_tensor(t, box, **kw), key_args)
+        given = (elem_strides is not None, data_type is not None)
+        return BoundTensorMap(self, source, lambda t: TensorMapSpec.from_tensor(t, box, **kw), given)
 
     def bind_spec(self, source, make_spec: Callable[[torch.Tensor], TensorMapSpec]) -> BoundTensorMap:
         """Like ``bind`` for specs built by ``make_spec(tensor)`` (e.g. from a CuTe DSL atom); ``get_spec`` with
@@ -241,8 +261,8 @@ class TensorMapCache:
 
     def _link(self, handle: BoundTensorMap, tm: TensorMap, tensor: torch.Tensor) -> None:
         """Key the bound entry on its current tensor so get()/get_spec() hit it; remember the fingerprint."""
-        if handle._key_args is not None:
-            displaced = self._table.rekey(tm._entry_id, tensor, *handle._key_args)
+        if handle._key_given is not None:
+            displaced = self._table.rekey(tm._entry_id, tensor, *_tensor_key_args(tm.spec, *handle._key_given))
         else:
             displaced = self._table.rekey_spec(tm._entry_id, tm.spec.key())
         if displaced > 0:  # an ordinary entry held the key: its slot retires like an eviction
@@ -412,6 +432,16 @@ def long_lived_empty(shape, dtype: torch.dtype, device: torch.device, zero: bool
         raise out[0]
     torch.cuda.current_stream(device).wait_stream(torch.cuda.default_stream(device))
     return out[0]
+
+
+def _tensor_key_args(spec: TensorMapSpec, elem_strides_given: bool, data_type_given: bool) -> tuple:
+    """The native table's key for a tensor lookup, after the tensor itself: box, elem_strides (None where not
+    given), interleave, swizzle, l2_promotion, oob_fill, data_type (-1 where not given). Built from the checked
+    spec, so the key holds plain ints in torch order, as the native get (csrc/tma_core.cpp: fast_get) builds it
+    from ints; arguments it does not take (NumPy ints, bools) never reach a key."""
+    return (spec.box[::-1], spec.elem_strides[::-1] if elem_strides_given else None, int(spec.interleave),
+            int(spec.swizzle), int(spec.l2_promotion), int(spec.oob_fill),
+            int(spec.data_type) if data_type_given else -1)
 
 
 def _as_source(source) -> tuple:

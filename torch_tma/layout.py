@@ -93,6 +93,11 @@ def decode(raw) -> DecodedTensorMap:
     q += [0] * (16 - len(q))
     q1 = q[1]
     rank = _bits(q1, 4, 3) + 1
+    if rank > 5:
+        raise ValueError(f"rank field {rank} in q1={q1:#018x}: a tiled CUtensorMap has rank 1..5 (not a "
+                         f"descriptor, or one this decoder does not know)")
+    if _bits(q1, 11, 2) == 3:
+        raise ValueError(f"interleave field 3 in q1={q1:#018x} is not an interleave the driver encodes (0..2)")
     fmt = _bits(q1, 7, 4)
     tf32 = _bits(q1, 16, 1)
     table = _HW_FORMAT_TF32 if tf32 else _HW_FORMAT

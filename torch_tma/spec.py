@@ -162,7 +162,8 @@ class TensorMapSpec:
     swizzle: Swizzle = Swizzle.NONE
     l2_promotion: L2Promotion = L2Promotion.L2_128B
     oob_fill: OOBFill = OOBFill.NONE
-    _validated: bool = field(default=False, repr=False, compare=False)
+    # Set by validate(); not an init argument, so dataclasses.replace() gives a spec that is checked again.
+    _validated: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -219,6 +220,8 @@ class TensorMapSpec:
         rank = len(shape)
         if not 1 <= rank <= MAX_RANK:
             raise ValueError(f"tensor rank {rank} is not supported: TMA tiled maps have rank 1..{MAX_RANK}")
+        if len(stride) != rank:
+            raise ValueError(f"stride={stride} has {len(stride)} entries but shape={shape} has {rank}")
         if len(box) != rank:
             raise ValueError(f"box={box} has {len(box)} entries but the tensor has rank {rank} "
                              f"(give one box extent per tensor dimension, outermost first)")
