@@ -31,6 +31,11 @@ def spec(address=0x10000, **kw):
     return TensorMapSpec.from_strided(address, torch.float16, (64, 128), (128, 1), (32, 64), **kw)
 
 
+def spec_of(t):
+    """A (32, 64) box over a CPU tensor, as bind_spec's make_spec."""
+    return TensorMapSpec.from_strided(t.data_ptr(), t.dtype, t.shape, t.stride(), (32, 64))
+
+
 def test_get_spec_miss_then_hit():
     cache = cpu_cache()
     a = cache.get_spec(spec())
@@ -111,11 +116,10 @@ def test_lru_eviction_at_capacity_and_stale_handles():
 
 def test_bound_handles_are_pinned_and_refresh_in_place():
     cache = cpu_cache(slots=2, chunk_slots=2)
-    holder = {"t": torch.empty(64, 128, dtype=torch.float16)}
-    make = lambda t: TensorMapSpec.from_strided(t.data_ptr(), t.dtype, t.shape, t.stride(), (32, 64))
-    handle = cache.bind_spec(lambda: holder["t"], make)
+    holder = {"t": torch.empty(64, 128, dtype=torch.float16)}  # the source reads holder["t"]: "reallocate" it
+    handle = cache.bind_spec(lambda: holder["t"], spec_of)
     ptr = handle.ptr
-    assert cache.get_spec(make(holder["t"])) is handle.map  # get_spec hits the bound slot
+    assert cache.get_spec(spec_of(holder["t"])) is handle.map  # get_spec hits the bound slot
     for i in range(3):  # pressure: the bound slot is never the victim
         cache.get_spec(spec(address=0x100000 * (i + 1)))
     assert handle.ptr == ptr
@@ -132,8 +136,7 @@ def test_bound_handles_are_pinned_and_refresh_in_place():
 def test_full_of_pinned_slots_raises():
     cache = cpu_cache(slots=2, chunk_slots=2)
     tensors = [torch.empty(64, 128, dtype=torch.float16) for _ in range(2)]
-    make = lambda t: TensorMapSpec.from_strided(t.data_ptr(), t.dtype, t.shape, t.stride(), (32, 64))
-    handles = [cache.bind_spec(t, make) for t in tensors]
+    handles = [cache.bind_spec(t, spec_of) for t in tensors]
     with pytest.raises(torch_tma.CacheFullError, match="full of pinned or graph-captured descriptors"):
         cache.get_spec(spec(address=0x700000))
     handles[0].close()  # its slot comes back
@@ -205,9 +208,8 @@ def test_import_without_a_driver_fails_only_on_device_use():
 
 def test_a_closed_bound_handle_is_stale_and_left_out_of_refresh_all():
     cache = cpu_cache(slots=2, chunk_slots=2)
-    holder = {"t": torch.empty(64, 128, dtype=torch.float16)}
-    make = lambda t: TensorMapSpec.from_strided(t.data_ptr(), t.dtype, t.shape, t.stride(), (32, 64))
-    handle = cache.bind_spec(lambda: holder["t"], make)
+    holder = {"t": torch.empty(64, 128, dtype=torch.float16)}  # the source reads holder["t"]: "reallocate" it
+    handle = cache.bind_spec(lambda: holder["t"], spec_of)
     slot = handle.ptr
     handle.close()
     handle.close()  # twice is fine
