@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .spec import L2Promotion
+from .spec import L2Promotion, _enum
 
 __all__ = ["Linear", "swap_linear_", "unswap_linear_", "unservable_reason", "refresh"]
 
@@ -32,7 +32,7 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, l2_promotion=None):
         super().__init__(in_features, out_features, bias, device, dtype)
-        self.l2_promotion = None if l2_promotion is None else int(L2Promotion(l2_promotion))
+        self.l2_promotion = None if l2_promotion is None else int(_enum(L2Promotion, l2_promotion, "l2_promotion"))
         self._weight_map = None  # BoundTensorMap while the kernel serves the weight on its CUDA device
         self._weight_key = None  # (device, dtype, shape, stride, address) of the weight last synced
 
@@ -164,7 +164,7 @@ def swap_linear_(
             f"swap_linear_: filter_fn must be callable (module, fqn) -> bool, got {type(filter_fn).__name__}"
         )
     if l2_promotion is not None:
-        l2_promotion = L2Promotion(l2_promotion)  # ValueError for a value that is no promotion, before any swap
+        l2_promotion = _enum(L2Promotion, l2_promotion, "l2_promotion")  # checked before any swap
 
     def swap(module, fqn):
         if not isinstance(module, nn.Linear) or isinstance(module, Linear):
