@@ -1238,7 +1238,6 @@ def test_unsupported_reasons():
     cases = {
         "is not bfloat16 or float16": (x.float(), weight.float(), None),
         "dtypes differ": (x, weight, b.half()),
-        "above the kernel's largest tile": (torch.randn(65, 512, **bf16), weight, b),
         "above the crossover": (torch.randn(linear.crossover_m(*weight.shape, torch.bfloat16) + 1, 512, **bf16), weight, b),
         "empty": (x[:0], weight, b),
         "multiple of 8": (x[:, :500], weight[:, :500].contiguous(), b),
@@ -1250,6 +1249,9 @@ def test_unsupported_reasons():
     for expected, args in cases.items():
         reason = linear.unsupported_reason(*args)
         assert reason is not None and expected in reason, (expected, reason)
+    x65 = torch.randn(65, 512, **bf16)  # above the largest tile: the crossover's cause, unless the policy is off
+    assert "M=65 is above the crossover" in linear.unsupported_reason(x65, weight, b)
+    assert "M=65 is above the kernel's largest tile M=64" in linear.unsupported_reason(x65, weight, b, crossover=False)
 
 
 @on_gpu

@@ -325,6 +325,59 @@ def test_swap_and_unswap_keep_hooks_buffers_and_attributes():
     assert "late" not in linear._buffers
 
 
+def test_hook_handles_from_before_a_swap_still_remove_their_hooks():
+    calls = []
+    model = nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 8))
+    pre = model[0].register_forward_pre_hook(lambda module, args: calls.append("pre"))
+    post = model[1].register_forward_hook(lambda module, args, kwargs, out: calls.append("post"), with_kwargs=True)
+    swap_linear_(model)
+    assert [type(m) for m in model] == [Linear, Linear]
+    model(torch.randn(2, 32))
+    assert calls == ["pre", "post"]
+    pre.remove()
+    unswap_linear_(model)
+    post.remove()  # registered before the swap, removed after the unswap
+    calls.clear()
+    model(torch.randn(2, 32))
+    assert calls == []
+    copied = Linear.from_linear(nn.Linear(8, 8))  # from_linear keeps the original: the hooks are copies there
+    handle = copied.register_forward_hook(lambda *args: calls.append("copy"))
+    assert len(copied.to_linear()._forward_hooks) == 1
+    handle.remove()
+    assert not copied._forward_hooks
+
+
+def test_a_forward_set_on_the_instance_keeps_the_layer_as_it_is():
+    """accelerate's hooks set module.forward on the instance: a swapped layer would still run the old module."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    for layer in model:
+        layer.forward = layer.forward  # a bound method of the layer itself, as accelerate's wrapper keeps
+    for filter_fn in (None, lambda module, fqn: True):
+        report = []
+        swap_linear_(model, filter_fn, report=report)
+        assert [type(m) for m in model] == [nn.Linear, nn.Linear]
+        assert [fqn for fqn, _ in report] == ["0", "1"] and "forward is set on the instance" in report[0][1]
+    with pytest.raises(TypeError, match="cannot rebuild this Linear: its forward is set on the instance"):
+        Linear.from_linear(model[0])
+    swapped = swap_linear_(nn.Sequential(nn.Linear(16, 16)))
+    swapped[0].forward = swapped[0].forward
+    with pytest.raises(TypeError, match="unswap_linear_: 0: its forward is set on the instance"):
+        unswap_linear_(swapped)
+
+
+def test_from_linear_refuses_a_parametrized_layer():
+    linear = nn.Linear(16, 8)
+    nn.utils.parametrize.register_parametrization(linear, "weight", nn.Identity())
+    with pytest.raises(TypeError, match=r"cannot rebuild this ParametrizedLinear: it is parametrized"):
+        Linear.from_linear(linear)
+
+
+def test_forward_takes_input_by_keyword_as_nn_linear_does():
+    linear = nn.Linear(16, 8)
+    x = torch.randn(2, 16)
+    assert torch.equal(Linear.from_linear(linear)(input=x), linear(input=x))
+
+
 def test_weight_norm_layers_are_left_with_a_reason():
     model = nn.Sequential(nn.Linear(16, 16), nn.utils.weight_norm(nn.Linear(16, 16)),
                           nn.utils.spectral_norm(nn.Linear(16, 16)))
@@ -403,6 +456,19 @@ def test_cuda_graph_reads_new_weights_after_refresh():
     refresh(model)
     assert [m.weight_map.map.ptr for m in layers] == slots
     graph_step_matches_stock()
+
+
+def test_decode_check_fails_on_nan_or_inf_logits():
+    stock = torch.randn(3, 2, 50, dtype=torch.float64)
+    ref = stock + 0.01 * torch.randn_like(stock)
+    ours = stock.clone()
+    decode_demo.check_error_ratio(1, decode_demo.logits_error_ratio(ours, stock, ref))  # about 1: passes
+    for bad in (math.nan, math.inf):
+        ours[1, 0, 7] = bad
+        with pytest.raises(decode_demo.CheckFailed, match="batch 4: swapped logits are (nan|inf)x further"):
+            decode_demo.check_error_ratio(4, decode_demo.logits_error_ratio(ours, stock, ref))
+    with pytest.raises(decode_demo.CheckFailed, match="3.00x further"):
+        decode_demo.check_error_ratio(16, 3.0)
 
 
 def _stock_step_logits(state_dict, prompt, first_token, device, dtype):

@@ -231,8 +231,8 @@ def test_fallback_logs_one_reason_per_cause(monkeypatch, caplog):
     strided = weight.t().contiguous().t()  # same values, not contiguous
     x_odd, weight_odd, b_odd = random_linear((2,), 64, 36, torch.bfloat16, "cuda")  # 72-byte rows
     x32, weight32, b32 = random_linear((2,), 64, 64, torch.float32, "cuda")
-    # Five causes: M above the largest tile (twice, with other numbers), M between the crossover (16 for this
-    # weight) and the largest tile (twice), a non-contiguous weight, 72-byte rows, float32.
+    # Four causes: M above the crossover (16 for this weight), four times with other numbers (above the largest
+    # tile too, or not), a non-contiguous weight, 72-byte rows, float32.
     cases = [(x_big, weight, b), (x_big[:300], weight, b), (x_big[:20], weight, b), (x_big[:48], weight, b),
              (x_big[:4], strided, b), (x_odd, weight_odd, b_odd), (x32, weight32, b32)]
     with caplog.at_level(logging.INFO, logger="torch_tma"):
@@ -240,8 +240,8 @@ def test_fallback_logs_one_reason_per_cause(monkeypatch, caplog):
             for case in cases:
                 assert torch.equal(torch.ops.tma.linear(*case), F.linear(*case))
     reasons = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tma::linear falls back")]
-    assert len(reasons) == 5, reasons
-    assert any("M=20 is above the crossover M=16 for a 256x512 weight" in r for r in reasons), reasons
+    assert len(reasons) == 4, reasons
+    assert any("M=512 is above the crossover M=16 for a 256x512 weight" in r for r in reasons), reasons
 
 
 @pytest.mark.requires_sm90
@@ -275,6 +275,17 @@ def test_fallback_causes_ignore_the_numbers(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         f"tma::linear falls back to F.linear: {reason}" for reason in (reasons[0], reasons[2])
     ]
+
+
+def test_a_cause_seen_while_info_is_off_is_logged_once_info_is_on(monkeypatch, caplog):
+    monkeypatch.setattr(ops, "_logged_reasons", set())
+    reason = "weight is not contiguous (strides (1, 512))"
+    with caplog.at_level(logging.WARNING, logger="torch_tma"):  # a warm-up before logging is configured
+        ops._log_fallback(reason)
+    with caplog.at_level(logging.INFO, logger="torch_tma"):
+        ops._log_fallback(reason)
+        ops._log_fallback(reason)
+    assert [r.getMessage() for r in caplog.records] == [f"tma::linear falls back to F.linear: {reason}"]
 
 
 def test_cpu_path_never_imports_the_kernel_module():
@@ -551,12 +562,13 @@ def test_steady_state_calls_run_native(leading, bias):
         assert_matches_reference(out, *reference(x, weight, b))
 
 
-def test_reset_launches_forgets_the_native_plans():
+def test_reset_launches_forgets_launches_and_keeps_workspaces():
+    """The Python side; the native plans it drops are checked on the GPU, where there are some
+    (test_reset_launches_plans_again_from_the_options)."""
     ops._remembered.add((0, 1234))  # a stream workspace handed over: kept
     ops._remembered.add((0, torch.bfloat16, 1, 8, 8, False, None))  # a launch: forgotten
     try:
         ops.reset_launches()
-        assert ops.native_stats()["plans"] == 0
         assert (0, 1234) in ops._remembered
         assert (0, torch.bfloat16, 1, 8, 8, False, None) not in ops._remembered
     finally:

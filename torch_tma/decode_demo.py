@@ -22,6 +22,7 @@ model on the CPU for a few steps to show the wiring, and exits non-zero: nothing
 import argparse
 import copy
 import csv
+import math
 import os
 import platform
 import statistics
@@ -312,6 +313,13 @@ def logits_error_ratio(ours: torch.Tensor, stock: torch.Tensor, ref: torch.Tenso
     return ((ours - ref).norm(dim=-1) / (stock - ref).norm(dim=-1)).max().item()
 
 
+def check_error_ratio(batch: int, ratio: float) -> None:
+    """Raise CheckFailed unless the swapped model's logits pass (ratio <= 2; a NaN or inf in them fails)."""
+    if not math.isfinite(ratio) or ratio > 2:
+        raise CheckFailed(f"batch {batch}: swapped logits are {ratio:.2f}x further from the reference than the "
+                          f"stock model's (limit 2): the swapped model computes something else")
+
+
 def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int:
     """Number of leading positions where the token sequences [B, n] agree in every row."""
     differ = (a != b).any(0).nonzero()
@@ -376,9 +384,7 @@ def run(config: DecoderConfig, batches, prompt_len, new_tokens, reps, check_step
         swapped[b] = GreedySession(model, prompts[b], new_tokens)
         _, logits = swapped[b].run_eager(check_steps, forced=stock_check[b][0])
         checks[b] = logits_error_ratio(logits, stock_check[b][1], ref_logits[b])
-        if checks[b] > 2:
-            raise CheckFailed(f"batch {b}: swapped logits are {checks[b]:.2f}x further from the reference "
-                               f"than the stock model's (limit 2): the swapped model computes something else")
+        check_error_ratio(b, checks[b])
         if use_graphs:
             swapped[b].capture()
         progress.advance(f"swapped batch {b}: logits error {checks[b]:.2f}x stock's" + ", captured" * use_graphs)

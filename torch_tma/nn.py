@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from . import ops
 from .spec import L2Promotion, _enum
@@ -59,12 +60,12 @@ class Linear(nn.Linear):
         bound = "" if self._weight_map is None else f", weight_map=0x{self._weight_map.map.ptr:x}"
         return f"{super().extra_repr()}, l2_promotion={promotion}{bound}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear's name: layer(input=x) works)
         # Binding is host bookkeeping that dynamo cannot trace; compiled code still finds the descriptor
         # through the op's cache lookup, which hits the bound slot once an eager call or refresh() made it.
         if not torch.compiler.is_compiling():
             self.sync_weight_map()
-        return torch.ops.tma.linear(x, self.weight, self.bias, l2_promotion=self.l2_promotion)
+        return torch.ops.tma.linear(input, self.weight, self.bias, l2_promotion=self.l2_promotion)
 
     def sync_weight_map(self) -> None:
         """Make the bound descriptor encode the current weight: refresh in place after a move to new storage,
@@ -92,18 +93,35 @@ class Linear(nn.Linear):
 _OWN_FIELDS = frozenset(("l2_promotion", "_weight_map", "_weight_key", "_compiled_call_impl"))
 
 
-def _rebuild(cls, linear: nn.Linear, **kwargs) -> nn.Linear:
+def _rebuild(cls, linear: nn.Linear, *, move_hooks: bool = False, **kwargs) -> nn.Linear:
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
+    reason = _not_rebuildable_reason(linear)
+    if reason is not None:
+        raise TypeError(f"cannot rebuild this {type(linear).__name__}: {reason}")
     # Built on the meta device so no weight is allocated or initialised, then handed everything else the layer
     # carries: its Parameters (the same objects), buffers, hooks, training flag and any attribute set on it. The
-    # module's dicts and sets are copied, so the two modules do not share later registrations.
+    # module's dicts and sets are copied, so the two modules do not share later registrations; with move_hooks
+    # (a swap, which drops the old module) the hook dicts themselves are handed over, so the handles
+    # register_*_hook returned before still remove their hooks.
     with torch.device("meta"):
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, **kwargs)
     for name, value in linear.__dict__.items():
-        if name not in _OWN_FIELDS:
-            new.__dict__[name] = value.copy() if isinstance(value, (dict, set)) else value
+        if name in _OWN_FIELDS:
+            continue
+        share = move_hooks and "hooks" in name
+        new.__dict__[name] = value.copy() if isinstance(value, (dict, set)) and not share else value
     return new
+
+
+def _not_rebuildable_reason(linear: nn.Linear) -> str | None:
+    """What a layer carries that a rebuild (from_linear, to_linear, the swaps) would get wrong, or None."""
+    if "forward" in linear.__dict__:
+        return ("its forward is set on the instance (e.g. by accelerate's hooks), so the rebuilt layer would "
+                "still run the old one: remove that first")
+    if parametrize.is_parametrized(linear):
+        return "it is parametrized (torch.nn.utils.parametrize): remove the parametrizations first"
+    return None
 
 
 def unservable_reason(linear: nn.Linear) -> str | None:
@@ -114,6 +132,8 @@ def unservable_reason(linear: nn.Linear) -> str | None:
     """
     if type(linear) is not nn.Linear:
         return f"{type(linear).__name__} subclasses nn.Linear; its forward may differ"
+    if "forward" in linear.__dict__:
+        return _not_rebuildable_reason(linear)
     if not isinstance(linear._parameters.get("weight"), nn.Parameter):
         return "its weight is not a Parameter of the layer (weight_norm / spectral_norm recompute it on every call)"
     if linear.in_features * 2 % 16:
@@ -172,9 +192,9 @@ def swap_linear_(
         if filter_fn is None or type(module) is not nn.Linear:
             reason = unservable_reason(module)
         else:
-            reason = None if filter_fn(module, fqn) else "filter_fn returned False"
+            reason = _not_rebuildable_reason(module) or (None if filter_fn(module, fqn) else "filter_fn returned False")
         if reason is None:
-            return Linear.from_linear(module, l2_promotion=l2_promotion)
+            return _rebuild(Linear, module, move_hooks=True, l2_promotion=l2_promotion)
         if report is not None:
             report.append((fqn, reason))
         return module
@@ -189,7 +209,10 @@ def unswap_linear_(model: nn.Module) -> nn.Module:
         if isinstance(module, Linear) and type(module) is not Linear:
             raise TypeError(f"unswap_linear_: {fqn or 'the model'} is a {type(module).__name__}, a subclass of "
                             f"torch_tma.nn.Linear (parametrized after the swap?): undo that first")
-    return _replace(model, "", lambda m, fqn: m.to_linear() if isinstance(m, Linear) else m, {})
+        if isinstance(module, Linear) and _not_rebuildable_reason(module) is not None:
+            raise TypeError(f"unswap_linear_: {fqn or 'the model'}: {_not_rebuildable_reason(module)}")
+    unswap = lambda m, fqn: _rebuild(nn.Linear, m, move_hooks=True) if isinstance(m, Linear) else m  # noqa: E731
+    return _replace(model, "", unswap, {})
 
 
 def refresh(model: nn.Module) -> None:

@@ -125,9 +125,10 @@ _logged_reasons: set[str] = set()
 
 
 def _log_fallback(reason: str) -> None:
-    # A cause is the reason without its numbers: prefills of every prompt length share one line.
+    # A cause is the reason without its numbers: prefills of every prompt length share one line. It counts as
+    # logged only once the logger emits it, so INFO turned on after a warm-up still shows every cause.
     cause = re.sub(r"\d+", "#", reason)
-    if cause not in _logged_reasons:
+    if cause not in _logged_reasons and _log.isEnabledFor(logging.INFO):
         _logged_reasons.add(cause)
         _log.info("tma::linear falls back to F.linear: %s", reason)
 

@@ -747,12 +747,13 @@ def unsupported_reason(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         return reason
     if M == 0:
         return "empty x or weight"
-    if M > M_PADS[-1]:
-        return f"M={M} is above the kernel's largest tile M={M_PADS[-1]}"
+    # The crossover (at most the largest tile) first: with it, every M the op hands to cuBLAS is one cause, one line.
     if crossover and M > max_m:
         max_m = _device_crossover(device_index, dtype, N, K)  # the launch-dependent part, above the size class
         if M > max_m:
             return f"M={M} is above the crossover M={max_m} for a {N}x{K} weight"
+    if M > M_PADS[-1]:
+        return f"M={M} is above the kernel's largest tile M={M_PADS[-1]}"
     if weight.stride() != (K, 1):
         return f"weight is not contiguous (strides {weight.stride()})"
     x_stride = x2d.stride()
