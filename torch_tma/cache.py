@@ -196,10 +196,9 @@ class TensorMapCache:
                   elem_strides=elem_strides, data_type=data_type)
         spec = TensorMapSpec.from_tensor(tensor, box, **kw)
         self._check_device(tensor)
-        spec.validate(self._compute_capability())
         key_args = _tensor_key_args(spec, elem_strides is not None, data_type is not None)
         with self._lock:
-            hit = self._table.lookup(tensor, *key_args)
+            hit = self._explained_lookup(spec, self._table.lookup, tensor, *key_args)
             if hit is not None:
                 return hit
             tm = self._new_map(spec)
@@ -211,11 +210,7 @@ class TensorMapCache:
         if not isinstance(spec, TensorMapSpec):
             raise TypeError(f"expected a TensorMapSpec, got {type(spec).__name__}")
         key = spec.key()
-        try:
-            hit = self._table.lookup_spec(key)
-        except ValueError:  # an entry outside int64 (csrc/tma_core.cpp: append_seq): the validator names it
-            spec.validate(self._compute_capability())
-            raise
+        hit = self._explained_lookup(spec, self._table.lookup_spec, key)
         if hit is not None:
             return hit
         with self._lock:
@@ -225,6 +220,15 @@ class TensorMapCache:
             tm = self._new_map(spec)
             tm._entry_id = self._table.insert_spec(key, tm)
         return tm
+
+    def _explained_lookup(self, spec: TensorMapSpec, lookup: Callable, *key):
+        """lookup(*key); where the key holds an int outside int64 (csrc/tma_core.cpp: key_int), the validator's
+        error for spec, which names the field, instead of the key's."""
+        try:
+            return lookup(*key)
+        except ValueError:
+            spec.validate(self._compute_capability())
+            raise
 
     # ---- bound handles ------------------------------------------------------------------------------------
     def bind(self, source, box, *, swizzle=Swizzle.NONE, l2_promotion=L2Promotion.L2_128B,

@@ -132,8 +132,9 @@ def unservable_reason(linear: nn.Linear) -> str | None:
     """
     if type(linear) is not nn.Linear:
         return f"{type(linear).__name__} subclasses nn.Linear; its forward may differ"
-    if "forward" in linear.__dict__:
-        return _not_rebuildable_reason(linear)
+    reason = _not_rebuildable_reason(linear)  # a forward set on the instance (a plain Linear is not parametrized)
+    if reason is not None:
+        return reason
     if not isinstance(linear._parameters.get("weight"), nn.Parameter):
         return "its weight is not a Parameter of the layer (weight_norm / spectral_norm recompute it on every call)"
     if linear.in_features * 2 % 16:
@@ -209,8 +210,8 @@ def unswap_linear_(model: nn.Module) -> nn.Module:
         if isinstance(module, Linear) and type(module) is not Linear:
             raise TypeError(f"unswap_linear_: {fqn or 'the model'} is a {type(module).__name__}, a subclass of "
                             f"torch_tma.nn.Linear (parametrized after the swap?): undo that first")
-        if isinstance(module, Linear) and _not_rebuildable_reason(module) is not None:
-            raise TypeError(f"unswap_linear_: {fqn or 'the model'}: {_not_rebuildable_reason(module)}")
+        if isinstance(module, Linear) and (reason := _not_rebuildable_reason(module)) is not None:
+            raise TypeError(f"unswap_linear_: {fqn or 'the model'}: {reason}")
     unswap = lambda m, fqn: _rebuild(nn.Linear, m, move_hooks=True) if isinstance(m, Linear) else m  # noqa: E731
     return _replace(model, "", unswap, {})
 
