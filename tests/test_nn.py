@@ -536,3 +536,53 @@ def test_decode_demo_without_hopper_says_so_and_fails(tmp_path, capsys):
     (tmp_path / "decode.png").unlink()
     assert decode_demo.main(["--plot", str(tmp_path / "decode.csv")]) == 0
     assert (tmp_path / "decode.png").stat().st_size > 0
+
+
+def _sessions_of_a_run(monkeypatch, device, dtype, ref_dtype, new_tokens, check_steps):
+    """decode_demo.run on a tiny model at batch 1; returns every GreedySession it made, in order."""
+    sessions = []
+    init = decode_demo.GreedySession.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        sessions.append(self)
+
+    monkeypatch.setattr(decode_demo.GreedySession, "__init__", recording_init)
+    _, checks, _, _, _ = decode_demo.run(decode_demo.TINY, [1], 8, new_tokens, 1, check_steps, torch.device(device),
+                                         dtype, ref_dtype, seed=0)
+    assert checks[1] <= 2
+    return sessions
+
+
+@torch.inference_mode()
+def test_decode_demo_stock_sessions_keep_stock_layers_cpu(monkeypatch):
+    """Without graphs the stock sessions step eagerly: the swap must not reach the model they decode."""
+    stock, reference, swapped = _sessions_of_a_run(monkeypatch, "cpu", torch.float32, torch.float64, 4, 4)
+    kinds = lambda s: {type(m) for m in s.model.modules() if isinstance(m, nn.Linear)}
+    assert kinds(stock) == {nn.Linear} and kinds(swapped) == {Linear}
+
+
+@cuda_test
+@torch.inference_mode()
+def test_decode_demo_few_new_tokens_cuda(monkeypatch):
+    """The fewest new tokens the demo takes: every session's graph warm-up stays inside the KV cache and RoPE table
+    (its warm-up steps decode from just after prefill, not from where the eager check left off)."""
+    n = decode_demo.GRAPH_WARMUP
+    for s in _sessions_of_a_run(monkeypatch, "cuda", torch.bfloat16, torch.float32, n, n):
+        if s.graph is not None:
+            assert int(s.pos) == s.prompt_len  # reset after the capture
+    torch.cuda.synchronize()
+
+
+def test_demo_arguments_checked():
+    for bad in (["--new-tokens", str(decode_demo.GRAPH_WARMUP - 1)], ["--check-steps", "0"], ["--batch", "1", "-4"]):
+        with pytest.raises(SystemExit) as e:
+            decode_demo._parse(bad)
+        assert e.value.code == 2
+    assert decode_demo._parse(["--new-tokens", str(decode_demo.GRAPH_WARMUP)]).new_tokens == decode_demo.GRAPH_WARMUP
+
+
+def test_main_command_help_and_unknown(capsys):
+    from torch_tma.__main__ import main
+    assert main(["--help"]) == 0 and "python -m torch_tma" in capsys.readouterr().out
+    assert main(["bogus"]) == 2 and "unknown command 'bogus'" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """python -m torch_tma [descriptors | decode ...]
 
 No arguments: the main job, the descriptor demo followed by the serving benchmark (decode). Each says what it
-cannot do on a machine without a Hopper GPU and the command then exits non-zero.
+cannot do on a machine without a Hopper GPU and the command then exits non-zero. `decode --help` lists the
+benchmark's options; an unknown command exits with status 2, as argparse does for a bad option.
 """
 import sys
 
@@ -55,8 +56,11 @@ def main(argv=None) -> int:
     if argv and argv[0] == "decode":
         from torch_tma import decode_demo
         return decode_demo.main(argv[1:])
-    if argv:
+    if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
+        return 0
+    if argv:
+        print(f"unknown command {argv[0]!r}\n\n{__doc__}", file=sys.stderr)
         return 2
     from torch_tma import decode_demo
     rc = descriptors()

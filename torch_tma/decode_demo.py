@@ -159,7 +159,10 @@ class Decoder(nn.Module):
         return self.lm_head(self.norm(x[:, -1]))
 
 
-def capture_graph(fn, warmup: int = 3):
+GRAPH_WARMUP = 3  # eager calls of a step before its capture (capture_graph)
+
+
+def capture_graph(fn, warmup: int = GRAPH_WARMUP):
     """(CUDA graph of fn(), fn's output in the graph's memory) after warm-up on a side stream (which compiles
     the kernels and fills the descriptor cache: a cache miss is not allowed during capture)."""
     side = torch.cuda.Stream()
@@ -224,6 +227,8 @@ class GreedySession:
         return torch.stack(tokens), torch.stack(logits)
 
     def capture(self) -> None:
+        """Capture step(); its warm-up calls decode from just after prefill, so they stay within new_tokens."""
+        self.reset()
         self.graph, self.graph_logits = capture_graph(self.step)
         self.reset()
 
@@ -375,7 +380,9 @@ def run(config: DecoderConfig, batches, prompt_len, new_tokens, reps, check_step
     stock_linears = {b: linears_only(model, b) for b in batches}
     linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linear_layers(model))
     skipped = []
-    model = tma_nn.swap_linear_(model, report=skipped)
+    # The swap is in place. The stock sessions' graphs, captured above, keep the stock layers; without graphs their
+    # eager steps would run whatever the model holds, so they keep a model of their own.
+    model = tma_nn.swap_linear_(model if use_graphs else copy.deepcopy(model), report=skipped)
     tma_nn.refresh(model)
     progress.advance(f"swapped {len(linear_layers(model)) - len(skipped)} linear layers, {len(skipped)} skipped")
 
@@ -509,14 +516,28 @@ def plot(path, results, title) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _at_least(low: int):
+    """An argparse type: an int of at least low."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    parse.__name__ = "int"  # argparse names the type in its message for a non-int
+    return parse
+
+
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m torch_tma decode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=LLAMA3_8B.num_layers, help="decoder layers (Llama-3-8B: 32)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
-    p.add_argument("--new-tokens", type=int, default=128, help="decode steps timed per repetition")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per batch and provider")
-    p.add_argument("--check-steps", type=int, default=8, help="teacher-forced steps compared with the reference")
+    p.add_argument("--layers", type=_at_least(1), default=LLAMA3_8B.num_layers,
+                   help="decoder layers (Llama-3-8B: 32)")
+    p.add_argument("--batch", type=_at_least(1), nargs="+", default=[1, 4, 16])
+    p.add_argument("--prompt", type=_at_least(1), default=128, help="prompt tokens")
+    p.add_argument("--new-tokens", type=_at_least(GRAPH_WARMUP), default=128,
+                   help=f"decode steps timed per repetition (at least {GRAPH_WARMUP}: the graph's warm-up steps)")
+    p.add_argument("--reps", type=_at_least(1), default=5, help="timed repetitions per batch and provider")
+    p.add_argument("--check-steps", type=_at_least(1), default=8,
+                   help="teacher-forced steps compared with the reference (at most --new-tokens are used)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="decode_results", help="folder for decode.csv and decode.png")
     p.add_argument("--plot", metavar="CSV", help="only redraw the PNG beside an existing decode CSV (any machine)")
