@@ -285,8 +285,12 @@ std::optional<at::Tensor> try_fast(const at::Tensor& x, const at::Tensor& weight
   int64_t num_ctas = 0, trailing_nones = 0, map_ptr = 0;
   Workspace ws;
   std::optional<FfiRef> fn_ref;  // taken under the lock, released after the call
+  at::Tensor out;
   {
-    py::gil_scoped_acquire gil;  // the plan's Python objects and the cache lookup need it
+    // The plan's Python objects and the cache lookup need the GIL, and the launch stays under it: no other
+    // thread's cache call (an eviction, a bind displacing the entry) can come between the hit, which records
+    // this stream for the slot's retire events, and the kernel that reads the slot.
+    py::gil_scoped_acquire gil;
     py::object get, box, swizzle, l2_code;
     {
       std::lock_guard<std::mutex> lock(s.mutex);
@@ -301,10 +305,10 @@ std::optional<at::Tensor> try_fast(const at::Tensor& x, const at::Tensor& weight
     }
     py::object map = lookup_descriptor(get, weight, box, swizzle, l2_code);
     map_ptr = map.attr("ptr").cast<int64_t>();
+    out = at::empty({M, N}, x.options());
+    ffi_call(fn, {&x2d, &weight, bias, &out, &ws.partials, &ws.arrivals}, {map_ptr, num_ctas}, trailing_nones,
+             device, stream);
   }
-  at::Tensor out = at::empty({M, N}, x.options());
-  ffi_call(fn, {&x2d, &weight, bias, &out, &ws.partials, &ws.arrivals}, {map_ptr, num_ctas}, trailing_nones, device,
-           stream);
   ++s.fast_calls;
   if (x.dim() == 2) return out;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);

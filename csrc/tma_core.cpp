@@ -41,6 +41,7 @@ struct Driver {
   CUresult (*ctx_get_current)(CUcontext*) = nullptr;
   CUresult (*ctx_get_device)(CUdevice*) = nullptr;
   CUresult (*primary_ctx_retain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*primary_ctx_release)(CUdevice) = nullptr;
   CUresult (*ctx_push)(CUcontext) = nullptr;
   CUresult (*ctx_pop)(CUcontext*) = nullptr;
   CUresult (*stream_is_capturing)(CUstream, int*) = nullptr;
@@ -71,11 +72,19 @@ const Driver& driver() {
     resolve(lib, "cuCtxGetCurrent", d.ctx_get_current, d.error);
     resolve(lib, "cuCtxGetDevice", d.ctx_get_device, d.error);
     resolve(lib, "cuDevicePrimaryCtxRetain", d.primary_ctx_retain, d.error);
+    resolve(lib, "cuDevicePrimaryCtxRelease_v2", d.primary_ctx_release, d.error);
     resolve(lib, "cuCtxPushCurrent_v2", d.ctx_push, d.error);
     resolve(lib, "cuCtxPopCurrent_v2", d.ctx_pop, d.error);
     resolve(lib, "cuStreamIsCapturing", d.stream_is_capturing, d.error);
     resolve(lib, "cuTensorMapEncodeTiled", d.encode_tiled, d.error);
-    if (d.error.empty() && d.init(0) != 0) d.error = "cuInit(0) failed: no usable NVIDIA GPU";
+    if (d.error.empty()) {
+      CUresult r = d.init(0);
+      const char* name = nullptr;
+      if (r != 0)  // named here: error_name() goes through driver(), which is still being built
+        d.error = std::string("cuInit(0) failed with ") +
+                  (d.get_error_name(r, &name) == 0 && name ? name : "CUresult " + std::to_string(r)) +
+                  ": no usable NVIDIA GPU";
+    }
     return d;
   }();
   return d;
@@ -116,19 +125,22 @@ class PrimaryContextScope {
     CUdevice dev = 0;
     TMA_DRIVER_CHECK(d.device_get(&dev, device_index));
     CUcontext primary = nullptr;
-    TMA_DRIVER_CHECK(d.primary_ctx_retain(&primary, dev));  // torch holds the same context; never released here
-    TMA_DRIVER_CHECK(d.ctx_push(primary));
-    pushed_ = true;
+    TMA_DRIVER_CHECK(d.primary_ctx_retain(&primary, dev));  // torch holds the same context too
+    CUresult pushed = d.ctx_push(primary);
+    if (pushed != 0) d.primary_ctx_release(dev);
+    TMA_DRIVER_CHECK(pushed);
+    retained_ = dev;
   }
-  ~PrimaryContextScope() {
-    if (pushed_) {
+  ~PrimaryContextScope() {  // pop and release what the constructor pushed and retained (errors cannot be thrown here)
+    if (retained_ >= 0) {
       CUcontext popped = nullptr;
       driver().ctx_pop(&popped);
+      driver().primary_ctx_release(retained_);
     }
   }
 
  private:
-  bool pushed_ = false;
+  CUdevice retained_ = -1;  // the device whose primary context was retained and pushed, or -1
 };
 
 template <typename T>
@@ -215,6 +227,8 @@ void append_seq(Key& k, py::handle seq, const char* what) {
     k.push_back(-1);
     return;
   }
+  // Lists and tuples only: PySequence_Fast would drain a one-shot iterable before the Python path sees it.
+  if (!PyList_Check(obj) && !PyTuple_Check(obj)) throw py::type_error(std::string(what) + " must be a list or tuple");
   PyObject* fast = PySequence_Fast(obj, what);
   if (!fast) throw py::error_already_set();
   Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -465,9 +479,8 @@ class Table {
     if (it != by_key_.end()) {
       Entry& other = entries_.find(it->second)->second;
       if (other.pinned || other.captured) return -2;
-      displaced = it->second;
+      displaced = it->second;  // the caller retires it (retire() records its events, from the streams it keeps)
       other.key.clear();
-      record_retire_events(other);
       by_key_.erase(it);
     }
     e.key = k;
@@ -626,33 +639,38 @@ PyObject* bound_source(PyObject* src, PyObject* attr) {
 // was encoded for; otherwise handle._refresh_and_ptr() (Python) refreshes in place and returns the same address
 // (or, once close() has removed _native, raises StaleTensorMapError).
 PyObject* bound_ptr(PyObject*, PyObject* handle) {
-  PyObject* dict = PyObject_GenericGetDict(handle, nullptr);
+  // Strong references throughout: reading the source may run Python (a callable, a module's attribute lookup)
+  // that closes the handle or replaces its items, or lets another thread do so.
+  auto dict = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(handle, nullptr));
   if (!dict) return nullptr;
-  PyObject* capsule = PyDict_GetItemWithError(dict, attr_native);
-  PyObject* src = PyDict_GetItemWithError(dict, attr_src);
-  PyObject* attr = PyDict_GetItemWithError(dict, attr_src_attr);
-  Py_DECREF(dict);  // the handle keeps the items alive
+  auto item = [&](PyObject* name) {
+    return py::reinterpret_borrow<py::object>(PyDict_GetItemWithError(dict.ptr(), name));
+  };
+  py::object capsule = item(attr_native), src = item(attr_src), attr = item(attr_src_attr);
   if (PyErr_Occurred()) return nullptr;
   if (!capsule) return PyObject_CallMethodNoArgs(handle, attr_refresh);  // closed: refresh() says so
   if (!src || !attr) {
     PyErr_SetString(PyExc_AttributeError, "BoundTensorMap is not initialised");
     return nullptr;
   }
-  auto* st = static_cast<BoundState*>(PyCapsule_GetPointer(capsule, "torch_tma.BoundState"));
+  auto* st = static_cast<BoundState*>(PyCapsule_GetPointer(capsule.ptr(), "torch_tma.BoundState"));
   if (!st) return nullptr;
-  PyObject* t = bound_source(src, attr);
+  auto t = py::reinterpret_steal<py::object>(bound_source(src.ptr(), attr.ptr()));
   if (!t) return nullptr;
+  // Closed while the source ran: the slot may be given back already; refresh() raises StaleTensorMapError.
+  if (PyDict_GetItemWithError(dict.ptr(), attr_native) != capsule.ptr()) {
+    if (PyErr_Occurred()) return nullptr;
+    return PyObject_CallMethodNoArgs(handle, attr_refresh);
+  }
   int64_t ptr = 0;
-  if (THPVariable_Check(t)) {
+  if (THPVariable_Check(t.ptr())) {
     try {
-      ptr = st->table->current_ptr(st->id, THPVariable_Unpack(t));
+      ptr = st->table->current_ptr(st->id, THPVariable_Unpack(t.ptr()));
     } catch (const std::exception& e) {
-      Py_DECREF(t);
       PyErr_SetString(PyExc_RuntimeError, e.what());
       return nullptr;
     }
   }
-  Py_DECREF(t);
   if (ptr) return PyLong_FromLongLong(ptr);
   return PyObject_CallMethodNoArgs(handle, attr_refresh);
 }

@@ -227,6 +227,27 @@ def test_a_closed_bound_handle_is_stale_and_left_out_of_refresh_all():
         handle.ptr
 
 
+def test_a_handle_closed_while_its_source_runs_is_stale():
+    """ptr reads the source (Python code) in its native call: a close() there, or in another thread meanwhile,
+    must not leave the call reading the freed native state or the given-back slot."""
+    cache = cpu_cache(slots=2, chunk_slots=2)
+    t = torch.empty(64, 128, dtype=torch.float16)
+    calls = []
+
+    def source():
+        calls.append(1)
+        if len(calls) == 3:  # bind reads it once, the first ptr once: close during the second ptr
+            handle.close()
+            [bytearray(24) for _ in range(100)]  # hand the freed native state's bytes to new objects
+        return t
+
+    handle = cache.bind_spec(source, spec_of)
+    assert handle.ptr == handle.map._ptr
+    for _ in range(2):  # closed inside the read, then closed before it
+        with pytest.raises(StaleTensorMapError, match="given back by close"):
+            handle.ptr
+
+
 @pytest.fixture
 def cpu_tensor_specs(monkeypatch):
     """TensorMapSpec.from_tensor without its CUDA check, so cache.get runs on CPU tensors (the only change)."""
@@ -289,3 +310,14 @@ def test_cache_bytes_from_the_environment_are_read_when_a_cache_is_made():
     assert "ERROR TORCH_TMA_CACHE_BYTES='16MiB' must be a whole number of bytes" in out
     assert "ERROR TORCH_TMA_CACHE_BYTES=1000 is below one chunk (65536 B)" in out
     assert f"CAP {1 << 20}" in out
+
+
+def test_get_takes_one_shot_iterables(cpu_tensor_specs):
+    """The native hit path keys lists and tuples only: an iterator reaches the Python get undrained."""
+    cache = cpu_cache(slots=8, chunk_slots=8)
+    x = torch.randn(64, 128, dtype=torch.float16)
+    first = cache.get(x, iter([32, 64]), elem_strides=iter([1, 1]))
+    assert cache.get(x, (32, 64), elem_strides=(1, 1)) is first
+    assert cache.get(x, iter([32, 64]), elem_strides=(1, 1)) is first
+    assert cache.get(x, [32, 64], elem_strides=[1, 1]) is first
+    assert cache.stats()["misses"] == 1

@@ -125,6 +125,49 @@ def test_eviction_race_detector_catches_early_reuse():
     assert reused and got != expected
 
 
+def test_a_get_entry_displaced_by_bind_waits_for_kernels_in_flight():
+    """bind() with a get() entry's own arguments takes over its key; the displaced slot retires as an eviction does:
+    reused only after the kernels it was handed to have finished."""
+    cache = torch_tma.TensorMapCache(DEV, capacity_bytes=256, chunk_bytes=256)  # two slots
+    w = torch.randn(128, 64, device=DEV, dtype=torch.float16)
+    s = torch.cuda.Stream(DEV)
+    with torch.cuda.stream(s):
+        tm = cache.get(w, (64, 64), swizzle=Swizzle.B128)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the read below runs long after the host moves on
+        out = torch.empty(128, dtype=torch.uint8, device=DEV)
+        out.copy_(cache._slot_views[tm._ptr])
+    bound = cache.bind(w, (64, 64), swizzle=Swizzle.B128)
+    assert cache.get(w, (64, 64), swizzle=Swizzle.B128) is bound.map
+    assert not cache._table.retired(tm._entry_id), "the displaced slot was free while its reader was in flight"
+    other = cache.get(torch.randn(128, 64, device=DEV, dtype=torch.float16), (64, 64), swizzle=Swizzle.B128)
+    torch.cuda.synchronize()
+    assert other._ptr == tm._ptr, "the test must reuse the displaced slot to mean anything"
+    assert bytes(out.cpu().tolist()) == tm.raw, "a kernel read the reused slot's new contents"
+
+
+def test_a_closed_bound_slot_that_a_graph_captured_is_never_reused():
+    cache = torch_tma.TensorMapCache(DEV, capacity_bytes=256, chunk_bytes=256)  # two slots
+    w = torch.randn(128, 64, device=DEV, dtype=torch.float16)
+    bound = cache.bind(w, (64, 64))
+    slot, raw = bound.ptr, bound.map.raw
+    out = torch.empty(128, dtype=torch.uint8, device=DEV)
+    s = torch.cuda.Stream(DEV)
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        out.copy_(cache._slot_views[bound.ptr])
+    bound.close()
+    with pytest.raises(torch_tma.StaleTensorMapError):
+        bound.map.ptr
+    others = [cache.get(torch.randn(128, 64, device=DEV, dtype=torch.float16), (64, 64)) for _ in range(3)]
+    others.append(cache.get(w, (64, 64)))  # no hit on the closed handle's entry: a miss into the other slot
+    assert slot not in {tm._ptr for tm in others}
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert bytes(out.cpu().tolist()) == raw
+
+
 def test_capture_hit_works_and_pins_the_entry_capture_miss_raises():
     cache = torch_tma.TensorMapCache(DEV)
     w = torch.randn(128, 64, device=DEV, dtype=torch.float16)

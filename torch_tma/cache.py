@@ -143,8 +143,9 @@ class BoundTensorMap:
         return self._cache._refresh(self)
 
     def close(self) -> None:
-        """Give the slot back (it is reused only after kernels that may read it have finished). Afterwards
-        ``ptr``, ``refresh()`` and ``map.ptr`` raise StaleTensorMapError; ``refresh_all`` skips the handle."""
+        """Give the slot back (it is reused only after kernels that may read it have finished; never if a CUDA
+        graph captured it). Afterwards ``ptr``, ``refresh()`` and ``map.ptr`` raise StaleTensorMapError;
+        ``refresh_all`` skips the handle."""
         self.__dict__.pop("_native", None)  # ptr's native getter then defers to refresh(), which raises
         self._cache._bound.discard(self)
         self._finalizer()
@@ -292,6 +293,12 @@ class TensorMapCache:
 
     def _release(self, entry_id: int) -> None:
         with self._lock:
+            if self._table.entry_state(entry_id)["captured"]:
+                # A CUDA graph may replay the slot: no more hits, and it stays pinned (never reused) for the cache's
+                # life, as a captured get() entry does.
+                self._table.retire(entry_id)
+                self._table.value(entry_id)._evicted = True
+                return
             self._table.set_pinned(entry_id, False)
             self._evicted(entry_id, count=False)
 

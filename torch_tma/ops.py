@@ -178,9 +178,12 @@ def _linear_cuda(x, weight, bias=None, *, l2_promotion=None):
         return F.linear(x, weight, bias)
     n, k = weight.shape
     plan = _plan(weight.get_device(), weight.dtype, n, k, l2_promotion)
-    weight_map = plan.cache.get(weight, plan.box, swizzle=plan.swizzle, l2_promotion=plan.l2_promotion)
     out = x2d.new_empty((x2d.shape[0], n))
-    plan.linear_out(x2d, weight, bias, out, weight_map.ptr, l2_promotion=plan.l2_promotion)
+    # The cache's lock from the lookup to the launch: no other thread's eviction or bind can retire the slot between
+    # the hit (which records this stream for the slot's retire events) and the kernel that reads it.
+    with plan.cache._lock:
+        weight_map = plan.cache.get(weight, plan.box, swizzle=plan.swizzle, l2_promotion=plan.l2_promotion)
+        plan.linear_out(x2d, weight, bias, out, weight_map.ptr, l2_promotion=plan.l2_promotion)
     _remember_launch(x2d, weight, bias, l2_promotion, plan)
     return out if x2d is x else out.view(_out_shape(x, weight))
 
