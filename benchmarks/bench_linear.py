@@ -10,13 +10,19 @@ of one CUDA graph per provider that holds many calls, each on the next of severa
 is well past the 60 MB L2 (what a model's layer sequence does). The providers' graphs are replayed in turns
 (interleaved_time_us), back to back and then in situ (a small kernel before each call), so a drift of the GPU's
 clocks during a cell reaches all of them; NVML's SM and memory clocks, power and clock-event reasons, sampled
-during the replays (gpu_clocks.py), go into every row. The floor is (weight + x + y bytes) / ceiling, with the
-ceiling measured in the same run (a 2 GiB torch.sum read and a 1 GiB device copy, the faster). Then a sweep of the
-weight descriptor's L2 promotion (NONE / 64B / 128B / 256B, timed in turns) per shape at M in {1, 16, 64}, and
-the eager host cost per call (the op and F.linear timed in turns, round by round: profile_host.host_us_in_turns).
+during the replays (gpu_clocks.py), go into every row. Each replay waits behind a spin kernel, so its start event
+fires when the GPU reaches the graph and the host's graph launch is not in the time. The floor is (weight + x + y
+bytes) / ceiling, with the ceiling the fastest streaming rate measured in the same run: a 2 GiB torch.sum read, a
+1 GiB device copy, and every cell's own rate back to back (bytes / median time, any provider), so no cell runs
+under its floor. Then a sweep of the weight descriptor's L2 promotion (NONE / 64B / 128B / 256B, timed in turns)
+per shape at M in {1, 16, 64}, and the eager host cost per call (the op and F.linear timed in turns, round by
+round: profile_host.host_us_in_turns).
 
-Writes docs/results/linear-h200.csv (long format, one row per measurement) and docs/results/linear-h200.png
-(% of floor by shape and M for both providers), and prints a summary with the geomean speedup.
+Writes, long format with one row per shape, M and provider in each file: docs/results/linear-h200.csv (back to
+back), linear-h200-in-situ.csv, linear-h200-promotion.csv (one row per promotion too) and linear-h200-host.csv;
+and docs/results/linear-h200.png (% of floor by shape and M for both providers); prints a summary with the geomean
+speedup. `--restate CSV` rewrites an older grid's CSV (one file, every metric) this way, its ceiling and floors
+taken again from its own rows.
 """
 
 import argparse
@@ -53,8 +59,11 @@ CALLS_PER_GRAPH = 40
 REPLAYS = 15
 ROUNDS = 5  # interleaved_time_us: turns per list, REPLAYS // ROUNDS replays each
 HOST_ROUNDS = 15  # host cost: rounds of profile_host.CALLS calls per provider, in turns
-CSV_FIELDS = ["metric", "name", "N", "K", "M", "dtype", "provider", "l2_promotion", "us_p20", "us_p50", "us_p80",
-              "floor_us", "ceiling_gbs", "pct_floor", "gpu", "torch", "date", *gpu_clocks.FIELDS]
+CSV_FIELDS = ["metric", "name", "N", "K", "M", "dtype", "provider", "l2_promotion", "us_min", "us_p20", "us_p50",
+              "us_p80", "bytes", "floor_us", "ceiling_gbs", "pct_floor", "gpu", "torch", "date", *gpu_clocks.FIELDS]
+METRIC_FILES = {"gpu_us": "", "gpu_us_in_situ": "-in-situ", "gpu_us_promotion_sweep": "-promotion",
+                "host_us": "-host"}  # each metric's file: the CSV path's stem + this
+SPIN_CYCLES = 200_000  # the spin before each timed replay: ~0.1 ms at 1.98 GHz, longer than a graph launch
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CSV = os.path.join(HERE, "..", "docs", "results", "linear-h200.csv")
 
@@ -79,11 +88,13 @@ def capture(calls, stream) -> torch.cuda.CUDAGraph:
 
 
 def replays_us(graph, calls: int, replays: int, clocks=None) -> list[float]:
-    """GPU microseconds per call of each of `replays` replays (CUDA events around each); clocks (gpu_clocks.Clocks):
-    one NVML sample during each replay."""
+    """GPU microseconds per call of each of `replays` replays (CUDA events around each, queued behind a spin kernel:
+    an idle GPU would record the start event at once and time the host's graph launch too); clocks
+    (gpu_clocks.Clocks): one NVML sample during each replay."""
     per_call = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SPIN_CYCLES)  # the GPU is busy while the host records start and launches the graph
         start.record()
         graph.replay()
         end.record()
@@ -218,20 +229,20 @@ def run(shapes, ms, sweep_ms, csv_path):
               "date": datetime.date.today().isoformat()}
     rates = measure_ceiling_gbs(stream)
     torch.cuda.empty_cache()  # the 3 GiB of buffers go back before the weights come
-    ceiling = max(rates.values())
-    print(f"ceiling: torch.sum read {rates['sum_read']:.0f} GB/s, copy (read+write) {rates['copy_read_write']:.0f} "
-          f"GB/s -> {ceiling:.0f} GB/s", flush=True)
+    ceiling = max(rates.values())  # until the cells' own rates are in (apply_ceiling)
+    print(f"streaming: torch.sum read {rates['sum_read']:.0f} GB/s, copy (read+write) {rates['copy_read_write']:.0f} "
+          f"GB/s", flush=True)
     rows = []
     clocks = gpu_clocks.Clocks.for_device(device)
     if clocks.error:
         print(f"no clock readings in the CSV: {clocks.error}", flush=True)
 
-    def record(metric, name, n, k, m, provider, promotion, times, floor_us=None, state=None):
-        p20, p50, p80 = times
+    def record(metric, name, n, k, m, provider, promotion, times, state=None, us_min=None):
+        """One row; its floor comes later (apply_ceiling), from bytes (GPU times only)."""
+        p20, p50, p80 = (f"{t:.3f}" if t is not None else "" for t in times)
         rows.append({**common, "metric": metric, "name": name, "N": n, "K": k, "M": m, "provider": provider,
-                     "l2_promotion": promotion, "us_p20": f"{p20:.3f}", "us_p50": f"{p50:.3f}", "us_p80": f"{p80:.3f}",
-                     "floor_us": "" if floor_us is None else f"{floor_us:.3f}", "ceiling_gbs": f"{ceiling:.0f}",
-                     "pct_floor": "" if floor_us is None else f"{100 * floor_us / p50:.1f}",
+                     "l2_promotion": promotion, "us_min": "" if us_min is None else f"{us_min:.3f}", "us_p20": p20,
+                     "us_p50": p50, "us_p80": p80, "bytes": "" if metric == "host_us" else (n * k + m * k + m * n) * 2,
                      **(state or dict.fromkeys(gpu_clocks.FIELDS, ""))})
 
     for name in shapes:
@@ -242,7 +253,7 @@ def run(shapes, ms, sweep_ms, csv_path):
             x = torch.randn(m, k, dtype=DTYPE, device=device)
             out = torch.full((m, n), math.nan, dtype=DTYPE, device=device)
             assert linear.unsupported_reason(x, shape.weights[0], None, crossover=False) is None
-            floor_us = (n * k + m * k + m * n) * 2 / ceiling / 1e3
+            floor_us = (n * k + m * k + m * n) * 2 / ceiling / 1e3  # torch.sum's, for the progress line
             providers = {"torch_tma": (shape.ours(x, out, default), default.name),
                          "torch_tma_op": (shape.op(x), default.name), "cublas": (shape.cublas(x), "")}
             out.fill_(math.nan)
@@ -255,7 +266,7 @@ def run(shapes, ms, sweep_ms, csv_path):
             situ, situ_state = in_situ_times_us(lists, x, stream, clocks), clocks.take()
             for metric, timed, state in (("gpu_us", back, back_state), ("gpu_us_in_situ", situ, situ_state)):
                 for (provider, (_, promotion)), times in zip(providers.items(), timed):
-                    record(metric, name, n, k, m, provider, promotion, times, floor_us, state)
+                    record(metric, name, n, k, m, provider, promotion, times, state)
             ours, theirs, state = back[0][1], back[2][1], back_state
             print(f"{name:18s} M={m:<3d} torch_tma {ours:8.2f} us  cublas {theirs:8.2f} us  floor {floor_us:7.2f} us  "
                   f"speedup {theirs / ours:5.2f}x  (SM {state['sm_mhz_min']}-{state['sm_mhz_max']} MHz, "
@@ -270,8 +281,7 @@ def run(shapes, ms, sweep_ms, csv_path):
                 timed = interleaved_time_us([shape.ours(x, out, p) for p in promotions], stream, clocks)
                 state = clocks.take()
                 for promotion, times in zip(promotions, timed):
-                    record("gpu_us_promotion_sweep", name, n, k, m, "torch_tma", promotion.name, times, floor_us,
-                           state)
+                    record("gpu_us_promotion_sweep", name, n, k, m, "torch_tma", promotion.name, times, state)
         del shape
         torch.cuda.empty_cache()
 
@@ -285,14 +295,78 @@ def run(shapes, ms, sweep_ms, csv_path):
                  ("cublas", "", lambda: F.linear(x, weight)))
     timed = host_us_in_turns([fn for _, _, fn in providers], torch.inference_mode, HOST_ROUNDS)
     for (provider, promotion, _), (p50, low) in zip(providers, timed):
-        record("host_us", "llama8b.gate_up", n, k, 1, provider, promotion, (low, p50, p50))
-    os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {csv_path} ({len(rows)} rows) in {time.perf_counter() - started:.0f} s")
+        record("host_us", "llama8b.gate_up", n, k, 1, provider, promotion, (None, p50, None), us_min=low)
+    print(apply_ceiling(rows, ceiling))
+    write_csvs(csv_path, rows)
+    print(f"in {time.perf_counter() - started:.0f} s")
     return rows
+
+
+def apply_ceiling(rows, measured_gbs: float) -> str:
+    """Set every timed row's ceiling_gbs, floor_us and pct_floor: the ceiling is the fastest streaming rate of the run,
+    measured_gbs (torch.sum's read or the copy) or a cell's own rate back to back (bytes / us_p50, any provider; a
+    kernel that reads the weight faster than torch.sum would otherwise run under its floor). Returns what it chose."""
+    cells = [r for r in rows if r["metric"] == "gpu_us" and r["bytes"] != ""]
+    fastest = max(cells, key=lambda r: int(r["bytes"]) / float(r["us_p50"]), default=None)
+    cell_gbs = int(fastest["bytes"]) / float(fastest["us_p50"]) / 1e3 if fastest else 0.0
+    ceiling = max(measured_gbs, cell_gbs)
+    for r in rows:
+        if r["bytes"] != "":
+            floor_us = int(r["bytes"]) / ceiling / 1e3
+            r.update(ceiling_gbs=f"{ceiling:.0f}", floor_us=f"{floor_us:.3f}",
+                     pct_floor=f"{100 * floor_us / float(r['us_p50']):.1f}")
+    source = (f"{fastest['name']} M={fastest['M']} {fastest['provider']} back to back" if cell_gbs > measured_gbs
+              else "torch.sum / copy")
+    return (f"ceiling: {ceiling:.0f} GB/s from {source} (torch.sum / copy {measured_gbs:.0f} GB/s, fastest cell "
+            f"{cell_gbs:.0f} GB/s)")
+
+
+def metric_path(csv_path: str, metric: str) -> str:
+    stem, ext = os.path.splitext(csv_path)
+    return stem + METRIC_FILES[metric] + ext
+
+
+def write_csvs(csv_path: str, rows) -> None:
+    """One file per metric (METRIC_FILES), each with one row per shape, M and provider (and promotion)."""
+    os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
+    for metric in METRIC_FILES:
+        chosen = [r for r in rows if r["metric"] == metric]
+        keys = [(r["name"], r["M"], r["provider"], r["l2_promotion"]) for r in chosen]
+        assert len(set(keys)) == len(keys), f"{metric}: more than one row for a shape, M and provider"
+        if chosen:
+            with open(metric_path(csv_path, metric), "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+                writer.writeheader()
+                writer.writerows({field: r.get(field, "") for field in CSV_FIELDS} for r in chosen)
+            print(f"wrote {metric_path(csv_path, metric)} ({len(chosen)} rows)")
+
+
+def read_rows(csv_path: str) -> list[dict]:
+    """Every row of a grid: the CSV and the metric files beside it (write_csvs), or an older CSV holding them all."""
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    for metric in METRIC_FILES:
+        path = metric_path(csv_path, metric)
+        if path != csv_path and os.path.exists(path):
+            with open(path) as f:
+                rows += csv.DictReader(f)
+    return rows
+
+
+def restate(csv_path: str) -> None:
+    """Rewrite an older grid's single CSV as write_csvs does, ceiling and floors from apply_ceiling (the measured
+    rate being the ceiling it recorded, then the faster of torch.sum and the copy). No time is changed."""
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        if r["metric"] == "host_us" and not r.get("us_min"):  # recorded as (min, median, median)
+            r.update(us_min=r["us_p20"], us_p20="", us_p80="")
+        if not r.get("bytes") and r.get("floor_us"):
+            n, k, m = int(r["N"]), int(r["K"]), int(r["M"])
+            r["bytes"] = (n * k + m * k + m * n) * 2
+        r.setdefault("bytes", "")
+    print(apply_ceiling(rows, max(float(r["ceiling_gbs"]) for r in rows if r["ceiling_gbs"])))
+    write_csvs(csv_path, rows)
 
 
 # ---- report ----------------------------------------------------------------------------------------------
@@ -364,8 +438,7 @@ def plot(csv_path, png_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(csv_path) as f:
-        rows = [r for r in csv.DictReader(f) if r["metric"] == "gpu_us"]
+    rows = [r for r in read_rows(csv_path) if r["metric"] == "gpu_us"]
     names = list(dict.fromkeys(r["name"] for r in rows))
     cols = 4
     fig, axes = plt.subplots(-(-len(names) // cols), cols, figsize=(4 * cols, 3.2 * -(-len(names) // cols)),
@@ -395,10 +468,19 @@ def plot(csv_path, png_path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--csv", default=DEFAULT_CSV, help="output CSV (default docs/results/linear-h200.csv)")
+    parser.add_argument("--csv", default=DEFAULT_CSV, help="output CSV, its metric files beside it (default "
+                                                             "docs/results/linear-h200.csv)")
     parser.add_argument("--quick", action="store_true", help="two shapes, M in {1, 16}")
     parser.add_argument("--plot", metavar="CSV", help="only draw the PNG from an existing CSV")
+    parser.add_argument("--summary", metavar="CSV", help="only print the summary of an existing CSV")
+    parser.add_argument("--restate", metavar="CSV", help="rewrite an older single-file CSV as this version writes it")
     args = parser.parse_args()
+    if args.restate:
+        restate(args.restate)
+        return
+    if args.summary:
+        summarize(read_rows(args.summary))
+        return
     if args.plot:
         plot(args.plot, os.path.splitext(args.plot)[0] + ".png")
         return

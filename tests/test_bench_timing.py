@@ -3,6 +3,7 @@ the order in which interleaved_time_us replays its graphs, the in-situ arithmeti
 reports. The GPU side of both runs in every bench_linear run on the H200. And the in-situ feed kernel
 (benchmarks/feed_kernel.py): compiled on the CPU, run on the GPU."""
 
+import csv
 import sys
 from pathlib import Path
 
@@ -200,3 +201,94 @@ def test_balance_bound_takes_cluster_and_launch_means():
     assert out["cluster"] == 0.5 and out["launch"] == 0.5  # medians of (1000, 0) ns
     assert out["cluster_stream"] == 0.275 and out["launch_stream"] == 0.325
     assert out["block"] == 2500 / 2 / 1e3  # K=256: 4 blocks over clusters of 2; stream median over 8 CTA-calls
+
+
+def test_replays_are_timed_behind_a_spin(monkeypatch):
+    """Each replay's start event is queued behind a spin kernel, so the host's graph launch is not timed."""
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            log.append("record")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 0.004  # ms
+
+    class Graph:
+        def replay(self):
+            log.append("replay")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("spin", cycles)))
+    per_call = bench_linear.replays_us(Graph(), calls=2, replays=3)
+    assert per_call == pytest.approx([2.0] * 3)
+    assert log == [("spin", bench_linear.SPIN_CYCLES), "record", "replay", "record"] * 3
+
+
+def _grid_rows(times):
+    """Rows as bench_linear.run records them: {(N, K, M, provider): us_p50}, plus a host row."""
+    rows = []
+    for (n, k, m, provider), us in times.items():
+        for metric in ("gpu_us", "gpu_us_in_situ"):
+            rows.append({"metric": metric, "name": f"{n}x{k}", "N": n, "K": k, "M": m, "provider": provider,
+                         "l2_promotion": "", "us_p20": us, "us_p50": f"{us:.3f}", "us_p80": us,
+                         "bytes": (n * k + m * k + m * n) * 2})
+    rows.append({"metric": "host_us", "name": "h", "N": 1, "K": 1, "M": 1, "provider": "cublas", "l2_promotion": "",
+                 "us_min": "9.0", "us_p20": "", "us_p50": "13.0", "us_p80": "", "bytes": ""})
+    return rows
+
+
+def test_the_ceiling_is_the_fastest_rate_of_the_run():
+    # 4096x4096 bf16 M=1: 33.57 MB; at 8 us that is 4,197 GB/s, at 7 us 4,796 GB/s
+    rows = _grid_rows({(4096, 4096, 1, "torch_tma"): 7.0, (4096, 4096, 1, "cublas"): 8.0})
+    said = bench_linear.apply_ceiling(rows, measured_gbs=4300.0)
+    ceiling = (4096 * 4096 + 4096 + 4096) * 2 / 7.0 / 1e3
+    assert f"{ceiling:.0f} GB/s from 4096x4096 M=1 torch_tma" in said
+    pct = {(r["metric"], r["provider"]): float(r["pct_floor"]) for r in rows if r["bytes"] != ""}
+    assert pct[("gpu_us", "torch_tma")] == 100.0 and pct[("gpu_us", "cublas")] == pytest.approx(87.5, abs=0.05)
+    rows = _grid_rows({(4096, 4096, 1, "torch_tma"): 8.0})
+    assert "from torch.sum / copy" in bench_linear.apply_ceiling(rows, measured_gbs=5000.0)
+    assert all(r["ceiling_gbs"] == "5000" for r in rows if r["bytes"] != "")
+
+
+def test_each_metric_file_has_one_row_per_shape_m_and_provider(tmp_path):
+    rows = _grid_rows({(4096, 4096, m, p): 8.0 + m for m in (1, 16) for p in ("torch_tma", "cublas")})
+    bench_linear.apply_ceiling(rows, 4300.0)
+    path = str(tmp_path / "grid.csv")
+    bench_linear.write_csvs(path, rows)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grid-host.csv", "grid-in-situ.csv", "grid.csv"]
+    with open(path) as f:
+        main = list(csv.DictReader(f))
+    assert {r["metric"] for r in main} == {"gpu_us"} and len(main) == 4
+    back = bench_linear.read_rows(path)
+    assert sorted((r["metric"], r["M"], r["provider"]) for r in back) == sorted(
+        (r["metric"], str(r["M"]), r["provider"]) for r in rows)
+    with pytest.raises(AssertionError, match="more than one row"):
+        bench_linear.write_csvs(path, rows + rows[:1])
+
+
+def test_restate_splits_an_older_grid_and_takes_its_ceiling_again(tmp_path):
+    """An older grid: one CSV, every metric, floors against torch.sum's ceiling, the host minimum in us_p20."""
+    old_fields = [f for f in bench_linear.CSV_FIELDS if f not in ("us_min", "bytes")]
+    rows = _grid_rows({(4096, 4096, 1, "torch_tma"): 7.0, (4096, 4096, 1, "cublas"): 8.0})
+    for r in rows:
+        r.pop("bytes")
+        r.update(ceiling_gbs="4300", floor_us="" if r["metric"] == "host_us" else "7.8")
+    host = rows[-1]
+    host.update(us_p20=host.pop("us_min"), us_p80=host["us_p50"])
+    path = tmp_path / "old.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=old_fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    bench_linear.restate(str(path))
+    back = {(r["metric"], r["provider"]): r for r in bench_linear.read_rows(str(path))}
+    assert back[("gpu_us", "torch_tma")]["pct_floor"] == "100.0"
+    assert back[("host_us", "cublas")]["us_min"] == "9.0" and back[("host_us", "cublas")]["us_p20"] == ""
+    assert (tmp_path / "old-in-situ.csv").exists()
