@@ -48,8 +48,10 @@ now get the deep ring too), each shape N x K in SHAPES (or --shapes) and M in MS
 validate the variant's output against the float64 reference (|ours - ref64| <= 2 |F.linear - ref64| + eps * max|ref64|,
 output poisoned with NaN before the launch), then time it as CUDA events around replays of one CUDA graph of
 back-to-back calls, each on the next of several weight copies (together ~7x the 60 MB L2). cuBLAS (F.linear) is timed
-the same way in the same run. Variants launch the compiled kernel directly with their own split-K workspace, so the host
-path (linear_out) is not involved.
+the same way in the same run. In each cell the variants' and cuBLAS's graphs are replayed in turns (bench_linear's
+interleaved_time_us; before stop 48 one after another, cuBLAS last), so a drift of the GPU's clocks reaches them alike.
+Variants launch the compiled kernel directly with their own split-K workspace and output, so the host path
+(linear_out) is not involved.
 
 "In situ" (the IN_SITU variants, or those named by --in-situ, and cuBLAS): the same graph with a small elementwise
 kernel on x before every call (x *= 1), as in a model where a norm or an activation feeds each linear layer; the time
@@ -72,7 +74,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_linear import DTYPE, Shape, check_close, graph_time_us, in_situ_time_us  # noqa: E402
+from bench_linear import DTYPE, Shape, check_close, in_situ_times_us, interleaved_time_us  # noqa: E402
 
 # (N, K): Llama-3-8B's layers as the decode benchmark runs them (k/v 1024x4096, q/o, gate/up 14336x4096, down),
 # the fused qkv and gate_up of bench_linear, and two Llama-3-70B ones
@@ -226,20 +228,14 @@ def main():
         shape = Shape(n, k, linear, cache, CALLS_PER_GRAPH)
         for m in ms:
             x = torch.randn(m, k, dtype=DTYPE, device=device)
-            out = torch.empty(m, n, dtype=DTYPE, device=device)
-
             feed = None if args.feed_smem_kib is None else make_feed(x, args.feed_smem_kib * 1024)
-
-            def timed(key, calls):
-                results[key] = graph_time_us(calls, stream)[1]
-                if key[0] in in_situ_names or key[0] == "cublas":
-                    in_situ[key] = in_situ_time_us(calls, x, stream, feed)[1]
-
+            lists, outs = {}, {}  # the variants that computed right, then cuBLAS: their calls; the variants' outputs
             for name, o in table.items():
                 o = linear.options_for(o, n, k, m, sm_count, capacity)
                 compiled = linear.compile_kernel(cutlass.BFloat16, linear.m_pad(m), False, "", o)
                 partials, arrivals = workspaces[name]
                 num_ctas = linear.grid_size(n, k, sm_count, o)
+                out = torch.empty(m, n, dtype=DTYPE, device=device)
                 calls = shape.launches(compiled, x, out, partials, arrivals, num_ctas)
                 out.fill_(math.nan)
                 calls[0]()
@@ -253,10 +249,15 @@ def main():
                     failed.append(name)
                     results[name, n, k, m] = in_situ[name, n, k, m] = None
                     continue
-                timed((name, n, k, m), calls)
-                # the graph's last replay must also be right (PDL overlaps consecutive launches there)
+                lists[name], outs[name] = calls, out
+            lists["cublas"] = shape.cublas(x)
+            for key, times in zip(lists, interleaved_time_us(list(lists.values()), stream)):
+                results[key, n, k, m] = times[1]
+            situ = [key for key in lists if key in in_situ_names or key == "cublas"]
+            for key, times in zip(situ, in_situ_times_us([lists[key] for key in situ], x, stream, feed=feed)):
+                in_situ[key, n, k, m] = times[1]
+            for name, out in outs.items():  # each graph's last replay must be right too (PDL overlaps launches there)
                 check_close(out, x, shape.last_weight, f"{name} {n}x{k} M={m} after replays")
-            timed(("cublas", n, k, m), shape.cublas(x))
             print(f"{n}x{k} M={m} done [{time.perf_counter() - started:.0f} s]", flush=True)
         del shape
         torch.cuda.empty_cache()
