@@ -1324,3 +1324,33 @@ def test_kernel_options_chained_eager_and_graph(options):
             out.fill_(math.nan)
         graph.replay()
         check_all(f"replay {replay}")
+
+
+def test_first_launch_on_a_device_during_capture_asks_for_a_warm_up(monkeypatch):
+    """A device's first launch while its stream captures (a weight bound beforehand, so the descriptor lookup hits)
+    gets the warm-up error before anything synchronizes the device, which would invalidate the capture. CPU: the
+    CUDA calls on that path are stand-ins."""
+    def synchronize(*args):
+        raise AssertionError("synchronized during capture")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1234, raising=False)
+    monkeypatch.setattr(linear, "_workspaces", {})
+    monkeypatch.setattr(linear, "_capture_workspaces", {})
+    monkeypatch.setattr(linear, "_launch_config", lambda *key: torch.cuda.synchronize())  # as cluster_capacity does
+
+    class Tensor:  # what linear_out reads of its tensors before launching
+        def __init__(self, *shape):
+            self.shape, self.dtype = shape, torch.bfloat16
+
+        def get_device(self):
+            return 0
+
+        def stride(self, dim=None):
+            return 1
+
+    with pytest.raises(RuntimeError, match="first call on this device during CUDA-graph capture.*warm-up"):
+        linear.linear_out(Tensor(1, 4096), Tensor(4096, 4096), None, Tensor(1, 4096), 0,
+                          l2_promotion=torch_tma.L2Promotion.L2_128B)

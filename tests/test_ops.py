@@ -277,6 +277,22 @@ def test_fallback_causes_ignore_the_numbers(monkeypatch, caplog):
     ]
 
 
+def test_fallback_causes_keep_the_digits_of_names(monkeypatch, caplog):
+    monkeypatch.setattr(ops, "_logged_reasons", set())
+    reasons = ["dtype torch.float32 is not bfloat16 or float16", "dtype torch.float64 is not bfloat16 or float16"]
+    with caplog.at_level(logging.INFO, logger="torch_tma"):
+        for reason in reasons * 2:
+            ops._log_fallback(reason)
+    assert [r.getMessage() for r in caplog.records] == [f"tma::linear falls back to F.linear: {r}" for r in reasons]
+
+
+def test_cuda_path_takes_k_zero_with_leading_dims():
+    """F.linear's answer for K=0 (zeros) from the op's CUDA kernel's Python path too (here on CPU tensors, which
+    it hands to F.linear with the reason): its flattening of the leading dims must not fail on zero elements."""
+    x, weight = torch.empty(2, 3, 0, dtype=torch.bfloat16), torch.empty(5, 0, dtype=torch.bfloat16)
+    assert torch.equal(ops._linear_cuda(x, weight), F.linear(x, weight))
+
+
 def test_a_cause_seen_while_info_is_off_is_logged_once_info_is_on(monkeypatch, caplog):
     monkeypatch.setattr(ops, "_logged_reasons", set())
     reason = "weight is not contiguous (strides (1, 512))"

@@ -125,9 +125,10 @@ _logged_reasons: set[str] = set()
 
 
 def _log_fallback(reason: str) -> None:
-    # A cause is the reason without its numbers: prefills of every prompt length share one line. It counts as
-    # logged only once the logger emits it, so INFO turned on after a warm-up still shows every cause.
-    cause = re.sub(r"\d+", "#", reason)
+    # A cause is the reason without its numbers: prefills of every prompt length share one line. Digits inside a
+    # name stay (torch.float32 and torch.float64 are two causes; 4096x4096 is #x#). It counts as logged only once
+    # the logger emits it, so INFO turned on after a warm-up still shows every cause.
+    cause = re.sub(r"(?<![A-Za-wyz_.])\d+", "#", reason)
     if cause not in _logged_reasons and _log.isEnabledFor(logging.INFO):
         _logged_reasons.add(cause)
         _log.info("tma::linear falls back to F.linear: %s", reason)
@@ -171,7 +172,8 @@ def bind_weight_map(source, weight: torch.Tensor, l2_promotion: int | None = Non
 
 def _linear_cuda(x, weight, bias=None, *, l2_promotion=None):
     _check_args(x, weight, bias, l2_promotion)
-    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a reshape costs ~1 us even when it is a no-op
+    # a reshape costs ~1 us even when it is a no-op; not reshape(-1, K): that fails where K is 0
+    x2d = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     reason = unsupported_reason(x2d, weight, bias)
     if reason is not None:
         _log_fallback(reason)

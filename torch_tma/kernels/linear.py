@@ -37,7 +37,8 @@ How (160 threads per CTA; KernelOptions.consumer_warpgroups=2, a measured altern
   stream many blocks (KernelOptions.deep_ring_blocks) takes the whole SM's shared memory for the ring: those runs are
   limited by the consumer.
 - Programmatic dependent launch: weight blocks are loaded before griddepcontrol.wait, x and every output
-  after it, so the start overlaps the previous kernel when that one lets it. A launch lets the next one start at
+  after it, so the start overlaps the previous kernel when that one lets it. A stream-K launch lets the next one
+  start as each of its CTAs starts (the grid is one wave). A cluster or one-CTA-per-tile launch lets it start at
   its CTAs' exit, or, where it takes at most three quarters of the SMs (KernelOptions.exclusive_trigger_grid), once
   each CTA's TMA warp has issued its last weight load (not where a CTA streams a long run on the half-SM ring:
   KernelOptions.exclusive_max_blocks); at M <= 16 three loads before the last (KernelOptions.trigger_lead).
@@ -45,8 +46,10 @@ How (160 threads per CTA; KernelOptions.consumer_warpgroups=2, a measured altern
   more than half an SM's shared memory, so the next one's CTAs start on the SMs it leaves free and then on each SM
   it gives up, never two to an SM.
 
-Host path per call: validate (unsupported_reason) -> plan (cached per dtype, m_pad, bias) -> compiled
-kernel (cached, one per static configuration, TVM-FFI) -> launch on the current torch stream.
+Host path per call (linear_out): validate (unsupported_reason) -> launch configuration (_launch_config, cached per
+device, dtype, M, N, K and bias) -> compiled kernel (cached, one per static configuration, TVM-FFI) -> launch on
+the current torch stream. torch.ops.tma.linear's steady-state calls skip the Python: the native op launches the
+kernel it was handed (torch_tma/ops.py, csrc/linear_op.cpp).
 """
 
 import functools
@@ -1673,7 +1676,7 @@ def compile_kernel(
     if options.cluster_k > 1 and not beside and not _fits_cluster(m_pad_, options.cluster_k, options.smem_slots,
                                                                   options.own_partial_bytes):
         raise ValueError(f"compile_kernel: the partials of a cluster_k={options.cluster_k} build do not fit beside or "
-                         f"in the ring of m_pad={m_pad_} with {options.smem_slots} CTAs per SM")
+                         f"in the ring of m_pad={m_pad_} with the SM's shared memory in {options.smem_slots} shares")
     stages = ring_stages(m_pad_, options)
     kernel = WeightStreamingLinear(dtype, m_pad_, has_bias, stages, options)
     # options.trace: one more argument, the int64 [num_ctas, len(TRACE_FIELDS)] timeline
@@ -1716,7 +1719,9 @@ def _workspace(device_index: int) -> _Workspace:
     that captured it stays valid. A stream seen first while it captures a graph takes the device's capture
     workspace, made (outside any graph pool) with the first eager workspace: allocating during capture would
     put it in the graph's pool, which torch.compile's cudagraph trees refuse. Graphs that share it must not be
-    replayed concurrently on different streams.
+    replayed concurrently on different streams. A graph captured on a stream that launched eagerly before holds that
+    stream's workspace: replay it on that stream, or not while eager launches run there (the stream-K builds, more
+    row tiles than two per SM, sum partials through it; the cluster builds do not touch it).
     """
     # The raw cudaStream_t, as inductor's generated code reads it: torch.cuda.current_stream() builds a
     # Stream object per call.
@@ -1776,8 +1781,8 @@ def linear_out(
     if device_index != torch.cuda.current_device():  # the launch goes to the current device's context
         with torch.cuda.device(device_index):
             return linear_out(x2d, weight, bias, out, weight_map_ptr, l2_promotion=l2_promotion)
+    ws = _workspace(device_index)  # first: it refuses a device's first call during capture, _launch_config would sync
     compiled, num_ctas = _launch_config(device_index, dtype, M, N, K, bias is not None)
-    ws = _workspace(device_index)
     compiled(x2d, weight, bias, out, ws.partials, ws.arrivals, weight_map_ptr, num_ctas)
 
 
