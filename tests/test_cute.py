@@ -3,7 +3,8 @@
 CPU (any machine with nvidia-cutlass-dsl 4.8; CuTe DSL encodes an atom's descriptor in host code, so the
 atom's own bytes are available without a GPU):
   * the derived spec equals the atom's own descriptor, field by field, over the dtype x swizzle x major x
-    multicast x rank matrix, on tensors other than the one each plan was made from;
+    multicast x rank matrix, on tensors other than the one each plan was made from (dynamic layouts; a static
+    plan serves one shape: on its own tensor);
   * the same against the device dumps recorded on the H200 by benchmarks/atom_matrix.py
     (tests/data/atom_dumps.json.gz), and the DSL's host encoding equals those dumps byte for byte;
   * unsupported ops and tensors are refused by name; every DSL kernel of ours compiles for sm_90a with
@@ -219,12 +220,50 @@ def test_refuses_bad_arguments_even_with_a_cached_plan():
     with pytest.raises(ValueError, match="num_multicast must be an int >= 1, got True"):  # True == 1 as a key
         tma_cute.plan_atom(op, x, smem_64x64, (64, 64), True)
     assert tma_cute.plan_atom(op, x, smem_64x64, [64, 64]) is plan  # a list tiler, as make_tiled_tma_atom takes
-    with pytest.raises(TypeError, match="cta_tiler must be a tuple of ints"):
-        tma_cute.plan_atom(op, x, smem_64x64, ([64], 64))
     with pytest.raises(TypeError, match="l2_promotion must be a torch_tma.L2Promotion, got bool"):
         plan.spec(x, True)
     with pytest.raises(ValueError, match="tensor dim 0 has stride 0"):  # a broadcast view
         tma_cute.plan_atom(op, torch.randn(128).half().expand(128, 128), smem_64x64, (64, 64))
+    for tiler in ((64.0, 64), (True, 64), (64, None), ()):  # (64.0, 64) == (64, 64) as a key
+        with pytest.raises(TypeError, match="cta_tiler must be a tuple of ints"):
+            tma_cute.plan_atom(op, x, smem_64x64, tiler)
+    with pytest.raises(TypeError, match="smem_layout must be hashable.*got Unhashable"):
+        tma_cute.plan_atom(op, x, Unhashable(), (64, 64))
+    with pytest.raises(ValueError, match="no single unit-stride dim"):  # static too: not a smem major-mode error
+        tma_cute.plan_atom(op, torch.randn(128, 256).half()[:, ::2], smem_64x64, (64, 64), static_layout=True)
+
+
+class Unhashable:
+    """A layout factory that cannot key a plan (a callable dataclass instance would be one)."""
+    __hash__ = None
+
+    def __call__(self):
+        return smem_64x64()
+
+
+def smem_8x64():
+    return cute.make_layout((8, 64), stride=(64, 1))
+
+
+def smem_1x64x64():
+    return cute.make_layout((1, 64, 64), stride=(4096, 64, 1))
+
+
+@pytest.mark.parametrize("make, smem, tiler", [
+    (lambda: torch.randn(64).half().as_strided((1, 64), (0, 1)), smem_8x64, (8, 64)),
+    (lambda: torch.randn(64, 64).half().expand(3, 64, 64)[:1], smem_1x64x64, (1, 64, 64)),
+], ids=["1x64", "1x64x64"])
+def test_a_size_one_dim_with_stride_zero_gets_a_plan_of_its_own(make, smem, tiler):
+    """mark_layout_dynamic keeps a stride of 0 static, and the atom drops that mode: such a view is not the type of
+    one with a real stride there, so it gets its own plan, which matches its atom."""
+    op, x = cpasync.CopyBulkTensorTileG2SOp(), make()
+    ordinary = torch.randn((4,) + tuple(x.shape[1:])).half()
+    plan = tma_cute.plan_atom(op, ordinary, smem, tiler)
+    with pytest.raises(ValueError, match="does not fit this plan"):
+        plan.spec(x)
+    own = tma_cute.plan_atom(op, x, smem, tiler)
+    assert own is not plan
+    assert_spec_is_atom(own.spec(x), own.atom_descriptor(x), x.data_ptr())
 
 
 def test_atom_descriptor_and_atom_tensor_map_check_the_tensor():

@@ -228,7 +228,8 @@ def _leading_dim(tensor: torch.Tensor) -> int:
 
 def _view_signature(tensor: torch.Tensor, static_layout: bool) -> tuple:
     """What the atom's type depends on in a tensor: its dtype and rank, and either every shape and stride
-    (static layout) or only which dim has the static unit stride (dynamic layout)."""
+    (static layout) or which dim has the static unit stride and which (size-1) dims have a stride of 0, which
+    ``mark_layout_dynamic`` also keeps static (dynamic layout)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     rank = tensor.dim()
@@ -242,9 +243,10 @@ def _view_signature(tensor: torch.Tensor, static_layout: bool) -> tuple:
         if stride == 0 and size > 1:
             raise ValueError(f"tensor dim {d} has stride 0 (a broadcast view, e.g. from expand): torch_tma.cute "
                              f"does not plan such views; pass tensor.contiguous()")
+    lead = _leading_dim(tensor)  # refuses a tensor without one, whichever the layout
     if static_layout:
         return tensor.dtype, tuple(tensor.shape), strides
-    return tensor.dtype, rank, _leading_dim(tensor)
+    return tensor.dtype, rank, lead, tuple(d for d, stride in enumerate(strides) if stride == 0)
 
 
 def _fake_view(tensor: torch.Tensor, static_layout: bool):
@@ -256,7 +258,7 @@ def _fake_view(tensor: torch.Tensor, static_layout: bool):
     else:
         lead = _leading_dim(tensor)
         shape = tuple(cute.sym_int() for _ in range(tensor.dim()))
-        stride = tuple(1 if d == lead else cute.sym_int(64) for d in range(tensor.dim()))
+        stride = tuple(1 if d == lead else 0 if s == 0 else cute.sym_int(64) for d, s in enumerate(tensor.stride()))
     return make_fake_tensor(element_type, shape, stride, assumed_align=16)
 
 
@@ -448,22 +450,38 @@ def plan_atom(op, tensor: torch.Tensor, smem_layout: LayoutFactory, cta_tiler, n
     signature = _view_signature(tensor, static_layout)
     if type(num_multicast) is not int:  # a bool too: True == 1 would find the plan made for 1
         _check_op(op, num_multicast)
-    if isinstance(cta_tiler, list):
-        cta_tiler = tuple(cta_tiler)  # make_tiled_tma_atom takes a list too; the plan key needs a tuple
+    cta_tiler = _checked_tiler(cta_tiler)
+    if not callable(smem_layout):
+        raise TypeError(f"smem_layout must be a zero-argument callable that builds the layout inside the "
+                        f"DSL trace, got {type(smem_layout).__name__}")
     key = (type(op), getattr(op, "cta_group", None), signature, smem_layout, cta_tiler, num_multicast, internal_type)
     try:
         plan = _PLANS.get(key)
-    except TypeError:
-        raise TypeError(f"cta_tiler must be a tuple of ints or a zero-argument callable returning a CuTe tiler, "
-                        f"got {type(cta_tiler).__name__} {cta_tiler!r}") from None
+    except TypeError:  # the tiler is checked above: what is left unhashable is the layout factory
+        raise TypeError(f"smem_layout must be hashable (plans are cached on it): a module-level function or a bound "
+                        f"method, got {type(smem_layout).__name__}") from None
     if plan is None:
         _check_op(op, num_multicast)
-        if not callable(smem_layout):
-            raise TypeError(f"smem_layout must be a zero-argument callable that builds the layout inside the "
-                            f"DSL trace, got {type(smem_layout).__name__}")
         plan = _make_plan(op, tensor, smem_layout, cta_tiler, num_multicast, internal_type, static_layout, signature)
         _PLANS[key] = plan
     return plan
+
+
+def _checked_tiler(cta_tiler):
+    """cta_tiler as the plan key holds it: a callable as it is, a (nested) tuple or list of ints as tuples; anything
+    else (a float or bool among the ints too: (64.0, 64) would find the plan made for (64, 64)) is refused."""
+    if callable(cta_tiler):
+        return cta_tiler
+
+    def as_tuple(node):
+        if isinstance(node, (tuple, list)) and node:
+            return tuple(as_tuple(child) for child in node)
+        if type(node) is int:
+            return node
+        raise TypeError(f"cta_tiler must be a tuple of ints or a zero-argument callable returning a CuTe tiler, "
+                        f"got {type(cta_tiler).__name__} {cta_tiler!r}")
+
+    return as_tuple(cta_tiler)
 
 
 def _make_plan(op, tensor, smem_layout, cta_tiler, num_multicast, internal_type, static_layout, signature):
