@@ -3,6 +3,9 @@ and the validator against the driver's recorded verdicts (CPU)."""
 import gzip
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +130,12 @@ def test_validator_agrees_with_recorded_driver_verdicts():
         disagreements.append((inp, v["result"]))
     assert not disagreements, f"{len(disagreements)} disagreements, first: {disagreements[:3]}"
     assert stricter <= 20, stricter
+
+
+def test_the_validation_counts_docs_quote_are_the_probes_on_the_recorded_verdicts():
+    """docs/validation.md quotes docs/results/validation-counts.log: it must be what the probe prints today."""
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "docs" / "probes" / "validation_counts.py")], capture_output=True,
+                         text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == (root / "docs" / "results" / "validation-counts.log").read_text()
