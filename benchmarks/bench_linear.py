@@ -13,8 +13,8 @@ clocks during a cell reaches all of them; NVML's SM and memory clocks, power and
 during the replays (gpu_clocks.py), go into every row. Each replay waits behind a spin kernel, so its start event
 fires when the GPU reaches the graph and the host's graph launch is not in the time. The floor is (weight + x + y
 bytes) / ceiling, with the ceiling the fastest streaming rate measured in the same run: a 2 GiB torch.sum read, a
-1 GiB device copy, and every cell's own rate back to back (bytes / median time, any provider), so no cell runs
-under its floor. Then a sweep of the weight descriptor's L2 promotion (NONE / 64B / 128B / 256B, timed in turns)
+1 GiB device copy, and every cell's own rate back to back (bytes / median time, any provider or promotion), so no
+cell runs under its floor. Then a sweep of the weight descriptor's L2 promotion (NONE / 64B / 128B / 256B, timed in turns)
 per shape at M in {1, 16, 64}, and the eager host cost per call (the op and F.linear timed in turns, round by
 round: profile_host.host_us_in_turns).
 
@@ -99,6 +99,7 @@ def replays_us(graph, calls: int, replays: int, clocks=None) -> list[float]:
         graph.replay()
         end.record()
         if clocks is not None:
+            start.synchronize()  # the spin is over: the replay runs while NVML is read
             clocks.sample()
         end.synchronize()
         per_call.append(start.elapsed_time(end) * 1e3 / calls)
@@ -304,9 +305,10 @@ def run(shapes, ms, sweep_ms, csv_path):
 
 def apply_ceiling(rows, measured_gbs: float) -> str:
     """Set every timed row's ceiling_gbs, floor_us and pct_floor: the ceiling is the fastest streaming rate of the run,
-    measured_gbs (torch.sum's read or the copy) or a cell's own rate back to back (bytes / us_p50, any provider; a
-    kernel that reads the weight faster than torch.sum would otherwise run under its floor). Returns what it chose."""
-    cells = [r for r in rows if r["metric"] == "gpu_us" and r["bytes"] != ""]
+    measured_gbs (torch.sum's read or the copy) or a cell's own rate back to back (bytes / us_p50, any provider or
+    promotion; a kernel that reads the weight faster than torch.sum would otherwise run under its floor). Returns
+    what it chose."""
+    cells = [r for r in rows if r["metric"] in ("gpu_us", "gpu_us_promotion_sweep") and r["bytes"] != ""]
     fastest = max(cells, key=lambda r: int(r["bytes"]) / float(r["us_p50"]), default=None)
     cell_gbs = int(fastest["bytes"]) / float(fastest["us_p50"]) / 1e3 if fastest else 0.0
     ceiling = max(measured_gbs, cell_gbs)
@@ -315,7 +317,11 @@ def apply_ceiling(rows, measured_gbs: float) -> str:
             floor_us = int(r["bytes"]) / ceiling / 1e3
             r.update(ceiling_gbs=f"{ceiling:.0f}", floor_us=f"{floor_us:.3f}",
                      pct_floor=f"{100 * floor_us / float(r['us_p50']):.1f}")
-    source = (f"{fastest['name']} M={fastest['M']} {fastest['provider']} back to back" if cell_gbs > measured_gbs
+        else:  # host time: no floor
+            r.update(ceiling_gbs="", floor_us="", pct_floor="")
+    where = (f"{fastest['l2_promotion']} in the promotion sweep" if fastest and fastest["metric"] != "gpu_us"
+             else "back to back")
+    source = (f"{fastest['name']} M={fastest['M']} {fastest['provider']} {where}" if cell_gbs > measured_gbs
               else "torch.sum / copy")
     return (f"ceiling: {ceiling:.0f} GB/s from {source} (torch.sum / copy {measured_gbs:.0f} GB/s, fastest cell "
             f"{cell_gbs:.0f} GB/s)")

@@ -304,7 +304,12 @@ std::optional<at::Tensor> try_fast(const at::Tensor& x, const at::Tensor& weight
       fn_ref.emplace(fn);
     }
     py::object map = lookup_descriptor(get, weight, box, swizzle, l2_code);
-    map_ptr = map.attr("ptr").cast<int64_t>();
+    // TensorMap's __slots__, read in C (no Python code runs, so no other thread can come in before the launch);
+    // an entry evicted while a miss ran Python raises StaleTensorMapError through .ptr.
+    static PyObject* attr_evicted = PyUnicode_InternFromString("_evicted");
+    static PyObject* attr_ptr = PyUnicode_InternFromString("_ptr");
+    const bool evicted = map.attr(py::handle(attr_evicted)).cast<bool>();
+    map_ptr = (evicted ? py::object(map.attr("ptr")) : py::object(map.attr(py::handle(attr_ptr)))).cast<int64_t>();
     out = at::empty({M, N}, x.options());
     ffi_call(fn, {&x2d, &weight, bias, &out, &ws.partials, &ws.arrivals}, {map_ptr, num_ctas}, trailing_nones,
              device, stream);

@@ -227,8 +227,9 @@ void append_seq(Key& k, py::handle seq, const char* what) {
     k.push_back(-1);
     return;
   }
-  // Lists and tuples only: PySequence_Fast would drain a one-shot iterable before the Python path sees it.
-  if (!PyList_Check(obj) && !PyTuple_Check(obj)) throw py::type_error(std::string(what) + " must be a list or tuple");
+  // Sequences only: PySequence_Fast would drain a one-shot iterable (an iterator, a generator) before the Python
+  // path sees it.
+  if (!PySequence_Check(obj)) throw py::type_error(std::string(what) + " must be a sequence");
   PyObject* fast = PySequence_Fast(obj, what);
   if (!fast) throw py::error_already_set();
   Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);

@@ -215,7 +215,7 @@ def test_replays_are_timed_behind_a_spin(monkeypatch):
             log.append("record")
 
         def synchronize(self):
-            pass
+            log.append("wait")
 
         def elapsed_time(self, other):
             return 0.004  # ms
@@ -228,7 +228,15 @@ def test_replays_are_timed_behind_a_spin(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("spin", cycles)))
     per_call = bench_linear.replays_us(Graph(), calls=2, replays=3)
     assert per_call == pytest.approx([2.0] * 3)
-    assert log == [("spin", bench_linear.SPIN_CYCLES), "record", "replay", "record"] * 3
+    assert log == [("spin", bench_linear.SPIN_CYCLES), "record", "replay", "record", "wait"] * 3
+
+    class Clocks:  # NVML is read once the start event has fired: during the replay, not the spin
+        def sample(self):
+            log.append("sample")
+
+    log.clear()
+    bench_linear.replays_us(Graph(), calls=2, replays=1, clocks=Clocks())
+    assert log == [("spin", bench_linear.SPIN_CYCLES), "record", "replay", "record", "wait", "sample", "wait"]
 
 
 def _grid_rows(times):

@@ -248,6 +248,27 @@ def test_a_handle_closed_while_its_source_runs_is_stale():
             handle.ptr
 
 
+def test_a_handle_closed_while_its_moved_source_runs_is_stale():
+    """The same through the refresh path: the source moved, so ptr re-encodes, and reading it closes the handle."""
+    cache = cpu_cache(slots=2, chunk_slots=2)
+    tensors = [torch.empty(64, 128, dtype=torch.float16) for _ in range(2)]
+    calls = []
+
+    def source():
+        calls.append(1)
+        if len(calls) == 3:  # bind reads it once, ptr's native read once, then refresh() reads it: close there
+            handle.close()
+        return tensors[len(calls) > 1]  # moved after bind
+
+    handle = cache.bind_spec(source, spec_of)
+    with pytest.raises(StaleTensorMapError, match="given back by close"):
+        handle.ptr
+    assert cache.stats()["refreshes"] == 0
+    with pytest.raises(StaleTensorMapError):
+        handle.map.ptr
+    assert cache.get_spec(spec_of(tensors[1])) is not handle.map  # the closed entry was not keyed on the new tensor
+
+
 @pytest.fixture
 def cpu_tensor_specs(monkeypatch):
     """TensorMapSpec.from_tensor without its CUDA check, so cache.get runs on CPU tensors (the only change)."""
@@ -312,7 +333,7 @@ def test_cache_bytes_from_the_environment_are_read_when_a_cache_is_made():
     assert f"CAP {1 << 20}" in out
 
 
-def test_get_takes_one_shot_iterables(cpu_tensor_specs):
+def test_get_takes_one_shot_iterables(cpu_tensor_specs, monkeypatch):
     """The native hit path keys lists and tuples only: an iterator reaches the Python get undrained."""
     cache = cpu_cache(slots=8, chunk_slots=8)
     x = torch.randn(64, 128, dtype=torch.float16)
@@ -320,4 +341,10 @@ def test_get_takes_one_shot_iterables(cpu_tensor_specs):
     assert cache.get(x, (32, 64), elem_strides=(1, 1)) is first
     assert cache.get(x, iter([32, 64]), elem_strides=(1, 1)) is first
     assert cache.get(x, [32, 64], elem_strides=[1, 1]) is first
+    specs_made = []  # the Python get makes a spec; the native hit path does not
+    made = TensorMapSpec.from_tensor
+    monkeypatch.setattr(TensorMapSpec, "from_tensor",
+                        classmethod(lambda cls, *args, **kwargs: specs_made.append(1) or made(*args, **kwargs)))
+    assert cache.get(x, range(32, 65, 32), elem_strides=(1, 1)) is first  # a sequence, not a list: still native
+    assert cache.get(x, iter([32, 64]), elem_strides=(1, 1)) is first and len(specs_made) == 1
     assert cache.stats()["misses"] == 1

@@ -1354,3 +1354,6 @@ def test_first_launch_on_a_device_during_capture_asks_for_a_warm_up(monkeypatch)
     with pytest.raises(RuntimeError, match="first call on this device during CUDA-graph capture.*warm-up"):
         linear.linear_out(Tensor(1, 4096), Tensor(4096, 4096), None, Tensor(1, 4096), 0,
                           l2_promotion=torch_tma.L2Promotion.L2_128B)
+    # The op decides the crossover before it launches, which measures the cluster capacity: that refuses too.
+    with pytest.raises(RuntimeError, match="first call on this device during CUDA-graph capture.*warm-up"):
+        linear.cluster_capacity.__wrapped__(0)

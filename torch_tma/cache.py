@@ -137,10 +137,13 @@ class BoundTensorMap:
 
     def refresh(self) -> bool:
         """Re-encode into the same slot if the source tensor moved; True if it did."""
+        self._check_open()
+        return self._cache._refresh(self)
+
+    def _check_open(self) -> None:
         if not self._finalizer.alive:
             raise StaleTensorMapError(f"this bound descriptor's slot {self.map._ptr:#x} was given back by close() "
                                       f"and may hold another descriptor: bind() again")
-        return self._cache._refresh(self)
 
     def close(self) -> None:
         """Give the slot back (it is reused only after kernels that may read it have finished; never if a CUDA
@@ -282,6 +285,7 @@ class TensorMapCache:
         self._check_device(tensor)
         spec = handle._make_spec(tensor)
         with self._lock:
+            handle._check_open()  # reading the source runs Python: it, or another thread, may have closed the handle
             self._check_not_capturing(f"refreshing the bound descriptor at {tm._ptr:#x}")
             raw = self._encode(spec)
             self._table.order_after_uses(tm._entry_id)

@@ -678,6 +678,9 @@ def cluster_capacity(device_index: int) -> tuple[int, ...]:
     whole SM's shared memory, so no two CTAs share an SM. A cluster runs inside one GPC, so the count is below
     sm_count // k where GPC sizes are not multiples of k. Loads one empty PTX kernel: once per device and process.
     """
+    if torch.cuda.is_current_stream_capturing():  # the synchronize below would invalidate the capture
+        raise RuntimeError("tma::linear: first call on this device during CUDA-graph capture; run one eager call "
+                           "(warm-up) before capturing")
     with torch.cuda.device(device_index):
         torch.cuda.synchronize()  # the device's primary context is current on this thread
         module = _driver_result("cuModuleLoadData", cuda.cuModuleLoadData(_OCCUPANCY_PROBE_PTX))
