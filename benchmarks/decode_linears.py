@@ -33,6 +33,7 @@ from torch_tma.kernels import linear
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sweep_linear  # noqa: E402
+from bench_linear import SPIN_CYCLES  # noqa: E402
 
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 # the layers a decode step runs back to back (nothing else between them): per layer q, k, v; and gate, up
@@ -75,6 +76,7 @@ def time_graph_us(layers, batch: int) -> float:
     times = []
     for _ in range(REPEATS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SPIN_CYCLES)  # busy while the host records start and launches the first replay
         start.record()
         for _ in range(REPLAYS):
             graph.replay()

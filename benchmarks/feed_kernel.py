@@ -48,9 +48,10 @@ def compile_feed(smem_bytes: int):
                         smem_bytes, options="--gpu-arch sm_90a --enable-tvm-ffi")
 
 
-def make_feed(x, smem_bytes: int):
-    """A no-argument call that runs x *= 1 (x a contiguous bf16 CUDA tensor) through the feed of smem_bytes."""
+def make_feed(x, smem_bytes: int, scale: float = 1.0):
+    """A no-argument call that runs x *= scale (1: the benchmarks' feed; x a contiguous bf16 CUDA tensor) through the
+    feed of smem_bytes."""
     if not x.is_contiguous():
         raise ValueError("make_feed: x must be contiguous")
     compiled, flat = compile_feed(smem_bytes), x.view(-1)
-    return functools.partial(compiled, flat, 1.0)
+    return functools.partial(compiled, flat, scale)

@@ -12,8 +12,9 @@ there to install. Five calls are used, all documented in the NVML API reference.
 import ctypes
 
 # nvmlClocksEventReasons bits (nvml.h): why the clocks are below their maximum at the moment of a sample
-CLOCK_EVENTS = {0x1: "idle", 0x2: "app-clocks", 0x4: "sw-power-cap", 0x8: "hw-slowdown", 0x20: "sync-boost",
-                0x40: "sw-thermal", 0x80: "hw-thermal", 0x100: "hw-power-brake", 0x200: "display-clock"}
+# nvml.h's nvmlClocksEventReason* bits (GpuIdle 0x1 ... DisplayClockSetting 0x100)
+CLOCK_EVENTS = {0x1: "idle", 0x2: "app-clocks", 0x4: "sw-power-cap", 0x8: "hw-slowdown", 0x10: "sync-boost",
+                0x20: "sw-thermal", 0x40: "hw-thermal", 0x80: "hw-power-brake", 0x100: "display-clock"}
 _NVML_CLOCK_SM, _NVML_CLOCK_MEM = 1, 2
 FIELDS = ("sm_mhz_min", "sm_mhz_max", "mem_mhz_min", "power_w_max", "clock_events")
 

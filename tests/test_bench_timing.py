@@ -89,16 +89,16 @@ def test_feed_kernel_refuses_bad_input():
 @pytest.mark.parametrize("kib", [0, 100, 227])
 def test_feed_kernel_scales_x_with_its_shared_memory(kib):
     """The feed, compiled to ask for kib KiB of dynamic shared memory (227: a Hopper CTA's most, which the launch
-    must opt in to), launches and scales every element: by 2 through the compiled kernel, by 1 through make_feed; on
-    fresh random data of a size not a multiple of the block."""
+    must opt in to), launches and scales every element: by 2 through the compiled kernel, by 3 through make_feed
+    (the benchmarks' feed scales by 1); on fresh random data of a size not a multiple of the block."""
     x = torch.randn(3, 1000, device="cuda").to(torch.bfloat16)
     before = x.clone()
     feed_kernel.compile_feed(kib * 1024)(x.view(-1), 2.0)
     torch.cuda.synchronize()
     assert torch.equal(x, before * 2)
-    feed_kernel.make_feed(x, kib * 1024)()
+    feed_kernel.make_feed(x, kib * 1024, scale=3.0)()
     torch.cuda.synchronize()
-    assert torch.equal(x, before * 2)
+    assert torch.equal(x, (before * 2) * 3)
 
 
 def test_clock_summary():
@@ -111,7 +111,8 @@ def test_clock_summary():
                              "clock_events": "idle|sw-power-cap"}
     assert clocks.take() == dict.fromkeys(gpu_clocks.FIELDS, "")
     assert gpu_clocks.event_names(0) == ""
-    assert gpu_clocks.event_names(0x80 | 0x10000) == "hw-thermal|0x10000"
+    assert gpu_clocks.event_names(0x40 | 0x10000) == "hw-thermal|0x10000"
+    assert gpu_clocks.event_names(0x10 | 0x20 | 0x80 | 0x100) == "sync-boost|sw-thermal|hw-power-brake|display-clock"
 
 
 def test_trace_cta_rows():

@@ -568,7 +568,7 @@ def test_decode_demo_few_new_tokens_cuda(monkeypatch):
     """The fewest new tokens the demo takes: every session's graph warm-up stays inside the KV cache and RoPE table
     (its warm-up steps decode from just after prefill, not from where the eager check left off)."""
     n = decode_demo.GRAPH_WARMUP
-    for s in _sessions_of_a_run(monkeypatch, "cuda", torch.bfloat16, torch.float32, n, n):
+    for s in _sessions_of_a_run(monkeypatch, "cuda", torch.bfloat16, torch.float64, n, n):
         if s.graph is not None:
             assert int(s.pos) == s.prompt_len  # reset after the capture
     torch.cuda.synchronize()

@@ -49,6 +49,12 @@ def poison_next_allocation(shape, dtype, device) -> None:
         torch.full(shape, math.nan, dtype=dtype, device=device)
 
 
+def op_poisoned(x, weight, bias=None, **kwargs):
+    """torch.ops.tma.linear(x, weight, bias, **kwargs) with its output's block poisoned first."""
+    poison_next_allocation((*x.shape[:-1], weight.shape[0]), x.dtype, x.device)
+    return torch.ops.tma.linear(x, weight, bias, **kwargs)
+
+
 def random_linear(leading, n, k, dtype, device, bias=True):
     """Fresh x [*leading, k], weight [n, k] and bias [n] (or None), scaled so outputs are O(1)."""
     x = torch.randn(*leading, k, dtype=dtype, device=device)
@@ -127,7 +133,7 @@ def test_calls_compile_once_per_static_configuration():
     misses = compile_kernel.cache_info().misses
     for m in (5, 6, 7, 8, 5):
         x = torch.randn(m, 704, dtype=torch.bfloat16, device="cuda")
-        assert_matches_reference(torch.ops.tma.linear(x, weight, b), *reference(x, weight, b))
+        assert_matches_reference(op_poisoned(x, weight, b), *reference(x, weight, b))
     assert compile_kernel.cache_info().misses == misses
 
 
@@ -172,7 +178,7 @@ def test_steady_state_encodes_and_copies_nothing():
     inputs = [torch.randn_like(x) for _ in range(10)]
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-        outs = [torch.ops.tma.linear(xi, weight, b) for xi in inputs]
+        outs = [op_poisoned(xi, weight, b) for xi in inputs]
         torch.cuda.synchronize()
     after = cache.stats()
     assert (after["encodes"], after["misses"]) == (before["encodes"], before["misses"])
@@ -189,7 +195,7 @@ def test_steady_state_encodes_and_copies_nothing():
 def test_l2_promotion_reaches_the_descriptor(promotion):
     cache = torch_tma.default_cache(torch.device("cuda"))
     x, weight, b = random_linear((4,), 512, 512, torch.bfloat16, "cuda")
-    out = torch.ops.tma.linear(x, weight, b, l2_promotion=None if promotion is None else int(promotion))
+    out = op_poisoned(x, weight, b, l2_promotion=None if promotion is None else int(promotion))
     assert_matches_reference(out, *reference(x, weight, b))
     box, swizzle, expected = _weight_map_args(weight, promotion)
     misses = cache.stats()["misses"]
@@ -209,10 +215,10 @@ def test_default_promotion_follows_the_gpu_model_and_weight_size():
     h100 = torch.cuda.get_device_name() == "NVIDIA H100 80GB HBM3"
     for n, k, big in ((512, 512, False), (8192, 6144, True)):  # 0.5 MB; 100.7 MB
         x, weight, b = random_linear((4,), n, k, torch.bfloat16, "cuda")
-        assert_matches_reference(torch.ops.tma.linear(x, weight, b), *reference(x, weight, b))  # plans in Python
+        assert_matches_reference(op_poisoned(x, weight, b), *reference(x, weight, b))  # plans in Python
         misses = cache.stats()["misses"]
         x = torch.randn_like(x)
-        assert_matches_reference(torch.ops.tma.linear(x, weight, b), *reference(x, weight, b))  # the native path
+        assert_matches_reference(op_poisoned(x, weight, b), *reference(x, weight, b))  # the native path
         expected = torch_tma.L2Promotion.L2_256B if h100 and big else torch_tma.L2Promotion.L2_128B
         box, swizzle, _ = _weight_map_args(weight, expected)
         decoded = torch_tma.decode(cache.get(weight, box, swizzle=swizzle, l2_promotion=expected).raw)
@@ -370,6 +376,7 @@ def _test_autocast(device, caplog, monkeypatch):
         if device == "cuda":  # the kernel's case once cast: a silent fallback would make this vacuous
             assert ops.unsupported_reason(x.to(torch.bfloat16), weight_lowp, b.to(torch.bfloat16)) is None
         stock = F.linear(x, weight_lowp, b)
+        poison_next_allocation(stock.shape, torch.bfloat16, device)  # the op's output (x's cast is another size)
         assert_matches_reference(torch.ops.tma.linear(x, weight_lowp, b), stock, ref64)
         assert_matches_reference(compiled(x, weight_lowp, b), torch.relu(stock), torch.relu(ref64))
         assert not caplog.records
@@ -629,15 +636,15 @@ def test_native_path_follows_new_weights_streams_and_alignment():
     torch.ops.tma.linear(x, weight, b)
     # a weight in new storage: the native lookup misses, the cache encodes it, the result uses it
     weight = weight.clone() * 2
-    assert_matches_reference(torch.ops.tma.linear(x, weight, b), *reference(x, weight, b))
+    assert_matches_reference(op_poisoned(x, weight, b), *reference(x, weight, b))
     # another stream: its first call goes through Python (its own workspace), later ones are native
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fast, slow = _native_calls()
-        first = torch.ops.tma.linear(x, weight, b)
+        first = op_poisoned(x, weight, b)
         assert _native_calls() == (fast, slow + 1)
-        second = torch.ops.tma.linear(x, weight, b)
+        second = op_poisoned(x, weight, b)
         assert _native_calls() == (fast + 1, slow + 1)
     torch.cuda.current_stream().wait_stream(stream)
     for out in (first, second):
