@@ -327,12 +327,17 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std:
   return slow_cuda(x, weight, bias, l2);
 }
 
-// The op's Autograd kernel: a call that records no graph goes below autograd through the dispatcher (no Python);
-// one that does goes to ops._linear_autograd_graph (torch.autograd.Function, gradients by torch matmuls).
+// The op's Autograd kernel: a call that records no graph and carries no forward-mode tangent goes below autograd
+// through the dispatcher (no Python); one that does goes to ops._linear_autograd_graph (torch.autograd.Function,
+// gradients and tangents by torch matmuls).
 at::Tensor linear_autograd(c10::DispatchKeySet keyset, const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias, std::optional<int64_t> l2) {
-  const bool bias_grad = bias && bias->defined() && bias->requires_grad();
-  if (c10::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() || bias_grad)) {
+  const bool has_bias = bias && bias->defined();
+  const bool bias_grad = has_bias && bias->requires_grad();
+  // a dual tensor (forward AD, torch.func.jvp) need not require grad; level 0 is the one forward AD uses
+  auto tangent = [](const at::Tensor& t) { return t._fw_grad(/*level=*/0).defined(); };
+  const bool forward_ad = tangent(x) || tangent(weight) || (has_bias && tangent(*bias));
+  if ((c10::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() || bias_grad)) || forward_ad) {
     py::gil_scoped_acquire gil;
     return unpack(state().autograd_graph(static_cast<uint64_t>(keyset.raw_repr()), x, weight, bias, l2));
   }

@@ -240,6 +240,20 @@ def test_gradients_match_nn_linear_cuda():
     _test_gradients_match_nn_linear("cuda", torch.bfloat16)
 
 
+def test_torch_func_transforms_of_a_swapped_layer_match_nn_linear():
+    """torch.func.grad / jacrev / vmap over functional_call: the transform's weight is a wrapper without storage,
+    which the layer must not try to bind (it read its data_ptr)."""
+    stock = nn.Linear(5, 4, dtype=torch.float64)
+    ours = Linear.from_linear(copy.deepcopy(stock))
+    params = {k: v.detach() for k, v in stock.named_parameters()}
+    x = torch.randn(3, 5, dtype=torch.float64)
+    loss = lambda m: (lambda p, x: torch.func.functional_call(m, p, (x,)).pow(2).sum())  # noqa: E731
+    for transform in (lambda f: torch.func.grad(f), lambda f: torch.func.jacrev(f),
+                      lambda f: torch.func.vmap(torch.func.grad(f), in_dims=(None, 0))):
+        got, want = transform(loss(ours))(params, x), transform(loss(stock))(params, x)
+        assert got.keys() == want.keys() and all(torch.allclose(got[k], want[k]) for k in want)
+
+
 # ---- swapping -------------------------------------------------------------------------------------------
 
 

@@ -402,8 +402,73 @@ def test_autocast_follows_f_linear_cuda(caplog, monkeypatch):
 def test_gradcheck_cpu():
     x, weight, b = random_linear((3, 2), 5, 8, torch.float64, "cpu")
     inputs = [t.requires_grad_() for t in (x, weight, b)]
-    assert torch.autograd.gradcheck(lambda *a: torch.ops.tma.linear(*a), inputs)
+    assert torch.autograd.gradcheck(lambda *a: torch.ops.tma.linear(*a), inputs, check_forward_ad=True)
     assert torch.autograd.gradgradcheck(lambda *a: torch.ops.tma.linear(*a), inputs)
+
+
+def _test_forward_ad(device, dtype):
+    """Dual tensors (forward-mode AD) need not require grad: their tangent must not be dropped on the way to the
+    kernel. The primal comes from the op, the tangent from the linear formula."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, weight, b = random_linear((2, 3), 48, 64, dtype, device)
+    tangents = [torch.randn_like(t) for t in (x, weight, b)]
+    for which in ([0], [1], [2], [0, 1, 2]):
+        with torch.no_grad(), fwAD.dual_level():
+            duals = [fwAD.make_dual(t, tangents[i]) if i in which else t for i, t in enumerate((x, weight, b))]
+            poison_next_allocation((2, 3, 48), dtype, device)
+            ours = fwAD.unpack_dual(torch.ops.tma.linear(*duals))
+            stock = fwAD.unpack_dual(F.linear(*duals))
+        assert ours.tangent is not None, which
+        assert_matches_reference(ours.primal, stock.primal, reference(x, weight, b)[1])
+        torch.testing.assert_close(ours.tangent, stock.tangent, msg=f"tangents of inputs {which}")
+
+
+def test_forward_ad_cpu():
+    _test_forward_ad("cpu", torch.float64)
+
+
+@pytest.mark.requires_sm90
+@pytest.mark.timeout(CUDA_TIMEOUT_S)
+def test_forward_ad_cuda():
+    _test_forward_ad("cuda", torch.bfloat16)
+
+
+def test_torch_func_transforms_match_f_linear(monkeypatch, caplog):
+    """grad, jvp, jacrev, jacfwd, hessian and vmap of grad: the op answers as F.linear (which computes it there:
+    torch 2.13 cannot apply the op's autograd.Function inside a transform), logging why."""
+    monkeypatch.setattr(ops, "_logged_reasons", set())
+    x, weight, b = random_linear((2, 3), 4, 5, torch.float64, "cpu")
+    t = torch.randn_like(x)
+    loss = lambda lin: (lambda x, w, b: lin(x, w, b).pow(2).sum())  # noqa: E731
+    cases = {
+        "grad": lambda lin: torch.func.grad(loss(lin), argnums=(0, 1, 2))(x, weight, b),
+        "jvp": lambda lin: torch.func.jvp(lambda x: lin(x, weight, b), (x,), (t,)),
+        "jacrev": lambda lin: (torch.func.jacrev(lambda w: lin(x, w, b))(weight),),
+        "jacfwd": lambda lin: (torch.func.jacfwd(lambda w: lin(x, w, b))(weight),),
+        "hessian": lambda lin: (torch.func.hessian(lambda b: lin(x, weight, b).pow(2).sum())(b),),
+        "vmap-grad": lambda lin: (torch.func.vmap(torch.func.grad(lambda x: lin(x, weight, b).pow(2).sum()))(x),),
+    }
+    with caplog.at_level(logging.INFO, logger="torch_tma"):
+        for name, case in cases.items():
+            ours, stock = case(torch.ops.tma.linear), case(F.linear)
+            assert len(ours) == len(stock) and all(torch.allclose(o, s) for o, s in zip(ours, stock)), name
+    assert [r.getMessage() for r in caplog.records] == [
+        "tma::linear falls back to F.linear: inside a torch.func transform (grad, jvp, jacrev, hessian)"]
+
+
+@pytest.mark.parametrize("leading", [(2, 3), ()], ids=["3-D x", "1-D x"])
+def test_output_modified_in_place_under_autograd(leading):
+    """y += r or an in-place activation on the op's output (a view of the kernel's buffer where x is not 2-D)."""
+    x, weight, b = random_linear(leading, 4, 5, torch.float64, "cpu")
+    grads = []
+    for linear in (torch.ops.tma.linear, F.linear):
+        leaves = [t.detach().requires_grad_() for t in (x, weight, b)]
+        y = linear(*leaves)
+        y += 1
+        y.relu_()
+        grads.append(torch.autograd.grad(y.pow(2).sum(), leaves))
+    assert all(torch.equal(o, s) for o, s in zip(*grads))
 
 
 def _test_compile_fullgraph(device, dtype, dynamic):

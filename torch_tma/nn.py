@@ -63,7 +63,9 @@ class Linear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Linear's name: layer(input=x) works)
         # Binding is host bookkeeping that dynamo cannot trace; compiled code still finds the descriptor
         # through the op's cache lookup, which hits the bound slot once an eager call or refresh() made it.
-        if not torch.compiler.is_compiling():
+        # A torch.func transform's weight is a wrapper without storage: nothing to bind (the op computes such calls
+        # with F.linear).
+        if not torch.compiler.is_compiling() and not torch._C._functorch.is_functorch_wrapped_tensor(self.weight):
             self.sync_weight_map()
         return torch.ops.tma.linear(input, self.weight, self.bias, l2_promotion=self.l2_promotion)
 

@@ -31,6 +31,7 @@ import logging
 import math
 import re
 import sys
+import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -241,14 +242,34 @@ for _device_type in ("cpu", "cuda"):
 
 
 class _Linear(torch.autograd.Function):
-    """The op under autograd: forward is the op below the Autograd key, backward the linear layer's formula."""
+    """The op under autograd: forward is the op below the Autograd and ADInplaceOrView keys (so an output that is a
+    view of the kernel's buffer is not a custom Function's view, which autograd would refuse to modify in place),
+    backward and jvp the linear layer's formulas. setup_context keeps it usable under torch.func transforms."""
 
     @staticmethod
-    def forward(ctx, keyset, x, weight, bias, l2_promotion):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        with torch._C._AutoDispatchBelowAutograd():
+    def forward(keyset, x, weight, bias, l2_promotion):
+        with torch._C._AutoDispatchBelowADInplaceOrView():
             return _linear_op.redispatch(keyset, x, weight, bias, l2_promotion=l2_promotion)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, x, weight, bias, _ = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.save_for_forward(x, weight)
+        ctx.has_bias = bias is not None
+
+    @staticmethod
+    def jvp(ctx, _, x_t, weight_t, bias_t, __):
+        """y_t = x_t W^T + x W_t^T (+ b_t), for forward-mode AD (torch.func.jvp, jacfwd, forward_ad)."""
+        x, weight = ctx.saved_tensors
+        y_t = None
+        if x_t is not None:
+            y_t = F.linear(x_t, weight)
+        if weight_t is not None:
+            y_t = F.linear(x, weight_t) if y_t is None else y_t + F.linear(x, weight_t)
+        if bias_t is not None:
+            y_t = bias_t.expand(*x.shape[:-1], weight.shape[0]) if y_t is None else y_t + bias_t
+        return y_t
 
     @staticmethod
     def backward(ctx, grad):
@@ -267,6 +288,11 @@ def _linear_autograd_graph(keyset_raw, x, weight, bias=None, l2_promotion=None):
     """The op for a call that records an autograd graph, called by the native Autograd kernel (csrc/linear_op.cpp)
     with the key set it was dispatched with (DispatchKeySet.raw_repr()). Calls that record nothing never come here:
     the native kernel sends them below the Autograd key through the dispatcher."""
+    if torch._C._functorch.maybe_current_level() is not None:
+        # torch.func.grad / jvp / jacrev / hessian: applying an autograd.Function from inside an op's Autograd kernel
+        # is refused there (torch 2.13: no kernel for the custom_function_call HigherOrderOperator at Autograd).
+        _log_fallback("inside a torch.func transform (grad, jvp, jacrev, hessian)")
+        return F.linear(x, weight, bias)
     keyset = torch._C.DispatchKeySet.from_raw_repr(keyset_raw)
     return _Linear.apply(keyset & _AFTER_AUTOGRAD, x, weight, bias, l2_promotion)
 
@@ -303,6 +329,7 @@ def _ffi_target(compiled, nargs: int):
 
 
 _remembered: set[tuple] = set()  # launches and (device, stream) workspaces handed to the native kernel
+_remember_lock = threading.Lock()  # _remembered and the native plans change together (reset_launches)
 
 
 def _remember_launch(x2d, weight, bias, l2_promotion, plan: "_Plan") -> None:
@@ -315,28 +342,31 @@ def _remember_launch(x2d, weight, bias, l2_promotion, plan: "_Plan") -> None:
     device = weight.get_device()
     launch = (device, weight.dtype, m, n, k, bias is not None, l2_promotion)
     if launch not in _remembered:
-        compiled, num_ctas = kernels._launch_config(device, weight.dtype, m, n, k, bias is not None)
-        function, trailing_nones = _ffi_target(compiled, 8)  # linear_out passes 8 arguments
-        _C.linear_remember_launch(weight, m, bias is not None, l2_promotion, plan.cache.get, plan.box,
-                                  int(plan.swizzle), int(plan.l2_promotion), function, trailing_nones, num_ctas,
-                                  _ffi_library())
-        _remembered.add(launch)
+        with _remember_lock:  # a reset_launches meanwhile must not leave this launch's old plan behind
+            compiled, num_ctas = kernels._launch_config(device, weight.dtype, m, n, k, bias is not None)
+            function, trailing_nones = _ffi_target(compiled, 8)  # linear_out passes 8 arguments
+            _C.linear_remember_launch(weight, m, bias is not None, l2_promotion, plan.cache.get, plan.box,
+                                      int(plan.swizzle), int(plan.l2_promotion), function, trailing_nones, num_ctas,
+                                      _ffi_library())
+            _remembered.add(launch)
     stream = torch._C._cuda_getCurrentRawStream(device)
     ws = kernels._workspaces.get((device, stream))  # None while a stream first seen during capture uses the capture one
     if ws is not None and (device, stream) not in _remembered:
-        _C.linear_remember_workspace(device, stream, ws.partials, ws.arrivals)
-        _remembered.add((device, stream))
+        with _remember_lock:
+            _C.linear_remember_workspace(device, stream, ws.partials, ws.arrivals)
+            _remembered.add((device, stream))
 
 
 def reset_launches() -> None:
     """Forget every launch the op has planned (the compiled kernel and grid per shape, in Python and in the native
     CUDA kernel), so each shape's next call plans again from kernels.linear.DEFAULT_OPTIONS. For benchmarks that
     compare kernel options in one process; a CUDA graph captured before keeps the kernels it captured."""
-    _C.linear_forget_launches()
-    _remembered.difference_update([key for key in _remembered if len(key) != 2])  # (device, stream) stay
-    if "torch_tma.kernels.linear" in sys.modules:  # not imported: nothing planned in Python yet
-        _kernels()._launch_config.cache_clear()
-        _kernels()._device_crossover.cache_clear()  # its M=64 part follows DEFAULT_OPTIONS too
+    with _remember_lock:
+        _C.linear_forget_launches()
+        _remembered.difference_update([key for key in _remembered if len(key) != 2])  # (device, stream) stay
+        if "torch_tma.kernels.linear" in sys.modules:  # not imported: nothing planned in Python yet
+            _kernels()._launch_config.cache_clear()
+            _kernels()._device_crossover.cache_clear()  # its M=64 part follows DEFAULT_OPTIONS too
 
 
 def native_stats() -> dict:

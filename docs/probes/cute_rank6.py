@@ -13,6 +13,8 @@ shape (2, 2, 3, 3, 16, 64) or (3, 2, 3, 3, 16, 64), the same tile), planning abo
 the DSL (std::bad_variant_access, nvidia-cutlass-dsl 4.8.1), so that case is not run here. Both are why
 torch_tma.cute refuses tensors of more than torch_tma.cute.MAX_TENSOR_RANK dims.
 """
+import argparse
+
 import torch
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
@@ -26,7 +28,15 @@ def smem_rank6():
 
 
 def main() -> None:
-    tma_cute.MAX_TENSOR_RANK = 6  # lifted here only, to see what the DSL builds
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    limit, tma_cute.MAX_TENSOR_RANK = tma_cute.MAX_TENSOR_RANK, 6  # lifted here only, to see what the DSL builds
+    try:
+        show()
+    finally:
+        tma_cute.MAX_TENSOR_RANK = limit
+
+
+def show() -> None:
     padded = torch.randn(4, 5, 5, 5, 24, 72).half()
     cases = {"contiguous, tile is part of dim 1": torch.randn(2, 3, 3, 3, 16, 64).half(),
              "padded": padded[:2, :3, :3, :3, :16, :64]}

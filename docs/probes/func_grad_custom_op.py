@@ -3,10 +3,12 @@
     python docs/probes/func_grad_custom_op.py
 
 Runs torch.func.grad over two ops: a toy op built with torch.library.custom_op and register_autograd (with a
-setup_context), and torch.ops.tma.linear's CPU path. It prints, for each, whether the gradient matched the
-float64 one, or the error that stopped it. In torch 2.13 both stop with the same RuntimeError: the autograd.Function
-that torch.library's Autograd kernel applies has no setup_context of its own, so this is torch's limit for
-custom ops, not one torch_tma adds (docs/serving.md, "torch.compile").
+setup_context), and torch.ops.tma.linear's CPU path. It prints, for each, the gradient's error against the float64
+one, or the error that stopped it. In torch 2.13 the toy op stops with a RuntimeError: the autograd.Function that
+torch.library's Autograd kernel applies has no setup_context of its own. Until stop 48 torch.ops.tma.linear stopped
+the same way; its own Function has a setup_context since, but applied inside a transform from the op's Autograd
+kernel it meets "no kernel for HigherOrderOperator custom_function_call at Autograd", so inside a torch.func
+transform the op computes with F.linear and logs why (docs/serving.md, "torch.compile").
 """
 import argparse
 
