@@ -6,10 +6,15 @@ One _test_*(device) helper per behaviour with thin CPU and CUDA wrappers; CUDA n
 
 import copy
 import csv
+import gc
 import math
+import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import torch_tma
@@ -600,3 +605,74 @@ def test_main_command_help_and_unknown(capsys):
     from torch_tma.__main__ import main
     assert main(["--help"]) == 0 and "python -m torch_tma" in capsys.readouterr().out
     assert main(["bogus"]) == 2 and "unknown command 'bogus'" in capsys.readouterr().err
+
+
+# ---- what nn.Linear supports, after a swap ----------------------------------------------------------------
+
+
+_loaded_modules = []  # what _record_module saw (module level: a pickled model takes its hook along)
+
+
+def _record_module(module, *args):
+    _loaded_modules.append(module)
+
+
+def test_a_load_state_dict_pre_hook_follows_the_swap():
+    """register_load_state_dict_pre_hook holds its module weakly (torch's _WrappedHook): after a swap it must call
+    the new layer, and a load, a deepcopy and a pickle must not meet a dead module."""
+    model = nn.Sequential(nn.Linear(16, 8))
+    seen = _loaded_modules
+    seen.clear()
+    model[0].register_load_state_dict_pre_hook(_record_module)
+    swap_linear_(model)
+    gc.collect()  # the dropped nn.Linear is gone
+    model.load_state_dict(model.state_dict())
+    assert seen == [model[0]] and isinstance(model[0], Linear)
+    copy.deepcopy(model)
+    clone = pickle.loads(pickle.dumps(model))
+    clone.load_state_dict(model.state_dict())
+    assert seen[-1] is clone[0]
+    unswap_linear_(model)
+    gc.collect()
+    model.load_state_dict(model.state_dict())
+    assert seen[-1] is model[0] and type(model[0]) is nn.Linear
+
+
+def test_a_data_parallel_replica_binds_its_own_descriptor():
+    layer = Linear(16, 8)
+    sentinel = object()
+    layer._weight_map, layer._weight_key = sentinel, ("key",)
+    replica = layer._replicate_for_data_parallel()
+    assert (replica._weight_map, replica._weight_key) == (None, None)
+    assert (layer._weight_map, layer._weight_key) == (sentinel, ("key",))  # the original keeps (and owns) its own
+
+
+def test_a_compiled_layer_copies_and_pickles():
+    layer = Linear(16, 8)
+    layer.compile()  # sets a call nn.Module's own __getstate__ leaves out
+    x = torch.randn(2, 16)
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert torch.equal(clone.weight, layer.weight) and torch.equal(clone(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_swap_skips_tensor_parallel_layers():
+    """A DTensor weight (parallelize_module): the op has no sharding rule, so the swap leaves the layer and says why
+    (a fake two-rank process group, in a subprocess: the group is global)."""
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+        "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=2)\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.tensor.parallel import parallelize_module, ColwiseParallel\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(16, 8))\n"
+        "parallelize_module(m, init_device_mesh('cpu', (2,)), {'0': ColwiseParallel()})\n"
+        "from torch_tma.nn import swap_linear_\n"
+        "report = []\n"
+        "swap_linear_(m, report=report)\n"
+        "print(type(m[0]).__module__, report)\n"
+        "dist.destroy_process_group()\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == ("torch.nn.modules.linear [('0', 'its weight is a DTensor (tensor parallel): "
+                                  "tma::linear has no sharding rule')]")

@@ -722,3 +722,18 @@ def test_native_path_follows_new_weights_streams_and_alignment():
     fast, slow = _native_calls()
     assert torch.equal(torch.ops.tma.linear(offset, weight, b), F.linear(offset, weight, b))
     assert _native_calls() == (fast, slow + 1)
+
+
+def test_flop_counter_counts_the_op_as_f_linear():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, weight, b = random_linear((3, 4), 5, 8, torch.float32, "cpu")
+    leaves = [t.requires_grad_() for t in (x, weight, b)]
+    counts = []
+    for linear in (torch.ops.tma.linear, F.linear):
+        with FlopCounterMode(display=False) as forward:
+            y = linear(*leaves)
+        with FlopCounterMode(display=False) as backward:
+            y.sum().backward()
+        counts.append((forward.get_total_flops(), backward.get_total_flops()))
+    assert counts[0] == counts[1] and counts[0][0] == 2 * 12 * 8 * 5

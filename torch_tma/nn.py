@@ -48,7 +48,15 @@ class Linear(nn.Linear):
 
     def __getstate__(self):
         # A copy (deepcopy, pickle) binds its own descriptor on its first forward; a handle is not copyable.
-        return {**self.__dict__, "_weight_map": None, "_weight_key": None}
+        # nn.Module's own state leaves out what it cannot pickle (the call .compile() set).
+        return {**super().__getstate__(), "_weight_map": None, "_weight_key": None}
+
+    def _replicate_for_data_parallel(self):
+        # A replica (DataParallel) shares this layer's __dict__ items: it binds its own device's descriptor, and must
+        # not close this layer's.
+        replica = super()._replicate_for_data_parallel()
+        replica._weight_map, replica._weight_key = None, None
+        return replica
 
     @property
     def weight_map(self):
@@ -113,6 +121,14 @@ def _rebuild(cls, linear: nn.Linear, *, move_hooks: bool = False, **kwargs) -> n
             continue
         share = move_hooks and "hooks" in name
         new.__dict__[name] = value.copy() if isinstance(value, (dict, set)) and not share else value
+    # Hooks registered with the module as their first argument (load_state_dict pre-hooks) hold it by a weak
+    # reference (torch's _WrappedHook): point them at the new layer, or they would call the dropped one, or fail.
+    wrapped = nn.modules.module._WrappedHook
+    for name, value in new.__dict__.items():
+        if "hooks" in name and isinstance(value, dict):
+            for key, hook in list(value.items()):
+                if isinstance(hook, wrapped) and hook.with_module and hook.module() is linear:
+                    value[key] = wrapped(hook.hook, new)
     return new
 
 
@@ -139,11 +155,21 @@ def unservable_reason(linear: nn.Linear) -> str | None:
         return reason
     if not isinstance(linear._parameters.get("weight"), nn.Parameter):
         return "its weight is not a Parameter of the layer (weight_norm / spectral_norm recompute it on every call)"
+    if _is_dtensor(linear.weight):
+        return "its weight is a DTensor (tensor parallel): tma::linear has no sharding rule"
     if linear.in_features * 2 % 16:
         return f"in_features={linear.in_features}: a 16-bit weight row is not a multiple of 16 bytes (TMA)"
     if linear.weight.is_cuda:
         return ops.weight_unsupported_reason(linear.weight, linear.bias)
     return None
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _check_model(model, fn: str) -> None:

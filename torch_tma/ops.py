@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
 
 from . import _C
 from .cache import TensorMapCache, default_cache
@@ -301,6 +302,12 @@ def _linear_autograd_graph(keyset_raw, x, weight, bias=None, l2_promotion=None):
 # Python and back on every call. The CUDA kernel makes steady-state launches itself and hands every other call to
 # _linear_cuda above; the Autograd kernel hands calls that record a graph to _linear_autograd_graph.
 _C.linear_register_kernels(_linear_cuda, _linear_autograd_graph)
+
+
+@register_flop_formula(torch.ops.tma.linear)
+def _linear_flops(x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    """FlopCounterMode's count: a multiply and an add per x row, weight row and K, as for F.linear (aten.mm/addmm)."""
+    return 2 * math.prod(x_shape[:-1]) * x_shape[-1] * weight_shape[0]
 
 
 @functools.cache
