@@ -269,6 +269,67 @@ def test_a_handle_closed_while_its_moved_source_runs_is_stale():
     assert cache.get_spec(spec_of(tensors[1])) is not handle.map  # the closed entry was not keyed on the new tensor
 
 
+def test_refresh_all_skips_handles_closed_meanwhile_and_refreshes_past_a_failing_source():
+    cache = cpu_cache(slots=4, chunk_slots=4)
+    holders = [{"t": torch.empty(64, 128, dtype=torch.float16)} for _ in range(3)]
+    fail, handles = {"close": False, "raise": 0}, []
+
+    def source_of(i):
+        def source():
+            if fail["close"]:  # the first source read closes the other handles
+                fail["close"] = False
+                for other in handles[:i] + handles[i + 1:]:
+                    other.close()
+            if fail["raise"] and i == 0:
+                fail["raise"] -= 1
+                raise KeyError("source failed")
+            return holders[i]["t"]
+        return source
+
+    handles += [cache.bind_spec(source_of(i), spec_of) for i in range(3)]
+    for holder in holders:
+        holder["t"] = torch.empty(64, 128, dtype=torch.float16)  # every source moved
+    fail["raise"] = 1
+    with pytest.raises(KeyError, match="source failed") as raised:
+        cache.refresh_all()
+    assert "1 of 3 bound handles failed to refresh" in str(raised.value.__notes__)
+    assert cache.stats()["refreshes"] == 2  # the two after (or before) the failing one
+    assert cache.refresh_all() == 1  # the failed one, now that its source answers
+    fail["close"] = True
+    assert cache.refresh_all() in (0, 1) and cache.stats()["bound"] == 1  # no StaleTensorMapError
+
+
+def test_refresh_of_a_handle_closed_while_its_unmoved_source_runs_is_stale():
+    cache = cpu_cache(slots=2, chunk_slots=2)
+    t, closing = torch.empty(64, 128, dtype=torch.float16), {"on": False}
+
+    def source():
+        if closing["on"]:
+            handle.close()
+        return t
+
+    handle = cache.bind_spec(source, spec_of)
+    closing["on"] = True
+    with pytest.raises(StaleTensorMapError, match="given back by close"):
+        handle.refresh()  # not False: the handle is closed
+
+
+def test_a_failed_slot_write_gives_the_slot_back(monkeypatch):
+    cache = cpu_cache(slots=2, chunk_slots=2)
+    write = cache._write
+
+    def failing(slot, raw):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(cache, "_write", failing)
+    for address in (0x900000, 0xA00000):
+        with pytest.raises(RuntimeError, match="copy failed"):
+            cache.get_spec(spec(address=address))
+    monkeypatch.setattr(cache, "_write", write)
+    tms = [cache.get_spec(spec(address=a)) for a in (0xB00000, 0xC00000)]  # both slots are free again
+    assert len({tm._ptr for tm in tms}) == 2 and cache.stats()["slots_in_use"] == 2
+
+
 @pytest.fixture
 def cpu_tensor_specs(monkeypatch):
     """TensorMapSpec.from_tensor without its CUDA check, so cache.get runs on CPU tensors (the only change)."""

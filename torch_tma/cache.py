@@ -122,6 +122,8 @@ class BoundTensorMap:
         self._id = self.map._entry_id
         self._native = _C.make_bound_state(cache._table, self._id)
         self._finalizer = weakref.finalize(self, cache._release, self._id)
+        with cache._lock:  # refresh_all sees the handle only once it is whole
+            cache._bound.add(self)
 
     def tensor(self) -> torch.Tensor:
         """The source's current tensor."""
@@ -150,7 +152,8 @@ class BoundTensorMap:
         graph captured it). Afterwards ``ptr``, ``refresh()`` and ``map.ptr`` raise StaleTensorMapError;
         ``refresh_all`` skips the handle."""
         self.__dict__.pop("_native", None)  # ptr's native getter then defers to refresh(), which raises
-        self._cache._bound.discard(self)
+        with self._cache._lock:
+            self._cache._bound.discard(self)
         self._finalizer()
 
     @property
@@ -252,8 +255,23 @@ class TensorMapCache:
 
     def refresh_all(self) -> int:
         """Refresh every bound handle whose source moved (after reloading weights, before replaying graphs).
-        Returns how many were rewritten."""
-        return sum(handle.refresh() for handle in list(self._bound))
+        Returns how many were rewritten. A handle closed meanwhile is skipped; where a source or make_spec raises,
+        the other handles are still refreshed and then the first error is raised (its note counts the failures)."""
+        with self._lock:
+            handles = list(self._bound)
+        rewritten, errors = 0, []
+        for handle in handles:
+            try:
+                rewritten += handle.refresh()
+            except StaleTensorMapError:
+                continue  # closed since the list was taken (e.g. by another handle's source)
+            except Exception as e:  # noqa: BLE001  (raised below, once every handle had its turn)
+                errors.append(e)
+        if errors:
+            errors[0].add_note(f"refresh_all: {len(errors)} of {len(handles)} bound handles failed to refresh; "
+                               f"the others were refreshed ({rewritten} rewritten)")
+            raise errors[0]
+        return rewritten
 
     def _bind_new(self, handle: BoundTensorMap) -> TensorMap:
         tensor = handle.tensor()
@@ -264,7 +282,6 @@ class TensorMapCache:
             tm._entry_id = self._table.insert_unkeyed(tm)
             self._table.set_pinned(tm._entry_id, True)
             self._link(handle, tm, tensor)
-            self._bound.add(handle)
         return tm
 
     def _link(self, handle: BoundTensorMap, tm: TensorMap, tensor: torch.Tensor) -> None:
@@ -280,12 +297,14 @@ class TensorMapCache:
     def _refresh(self, handle: BoundTensorMap) -> bool:
         tensor = handle.tensor()
         tm = handle.map
-        if self._table.matches(tm._entry_id, tensor):
-            return False
+        with self._lock:  # reading the source runs Python: it, or another thread, may have closed the handle
+            handle._check_open()
+            if self._table.matches(tm._entry_id, tensor):
+                return False
         self._check_device(tensor)
         spec = handle._make_spec(tensor)
         with self._lock:
-            handle._check_open()  # reading the source runs Python: it, or another thread, may have closed the handle
+            handle._check_open()  # make_spec runs Python too
             self._check_not_capturing(f"refreshing the bound descriptor at {tm._ptr:#x}")
             raw = self._encode(spec)
             self._table.order_after_uses(tm._entry_id)
@@ -312,7 +331,11 @@ class TensorMapCache:
         self._check_not_capturing(f"encoding {spec.describe()}")
         raw = self._encode(spec)
         slot = self._take_slot()
-        self._write(slot, raw)
+        try:
+            self._write(slot, raw)
+        except BaseException:
+            self._free.append(slot)  # not handed out: back to the free list
+            raise
         self._counts["misses"] += 1
         return TensorMap(slot, raw, spec, self.device)
 
