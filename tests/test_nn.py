@@ -9,8 +9,6 @@ import csv
 import gc
 import math
 import pickle
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +19,8 @@ import torch_tma
 from torch_tma import decode_demo
 from torch_tma.nn import Linear, refresh, swap_linear_, unswap_linear_
 
-from test_ops import CUDA_TIMEOUT_S, assert_matches_reference, poison_next_allocation, reference
+from test_ops import (CUDA_TIMEOUT_S, assert_matches_reference, poison_next_allocation, python_output,
+                      reference)
 
 IN, OUT = 256, 384
 
@@ -672,7 +671,5 @@ def test_swap_skips_tensor_parallel_layers():
         "print(type(m[0]).__module__, report)\n"
         "dist.destroy_process_group()\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == ("torch.nn.modules.linear [('0', 'its weight is a DTensor (tensor parallel): "
-                                  "tma::linear has no sharding rule')]")
+    assert python_output(code).strip() == ("torch.nn.modules.linear [('0', 'its weight is a DTensor (tensor "
+                                           "parallel): tma::linear has no sharding rule')]")

@@ -49,6 +49,13 @@ def poison_next_allocation(shape, dtype, device) -> None:
         torch.full(shape, math.nan, dtype=dtype, device=device)
 
 
+def python_output(code: str) -> str:
+    """stdout of `python -c code` in a fresh process (which must succeed)."""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
 def op_poisoned(x, weight, bias=None, **kwargs):
     """torch.ops.tma.linear(x, weight, bias, **kwargs) with its output's block poisoned first."""
     poison_next_allocation((*x.shape[:-1], weight.shape[0]), x.dtype, x.device)
@@ -265,10 +272,8 @@ def test_gpu_other_than_hopper_falls_back_without_the_dsl():
         "assert all(torch.equal(torch.ops.tma.linear(x, w), F.linear(x, w)) for _ in range(2)); "
         "print('kernel module imported:', 'torch_tma.kernels.linear' in sys.modules)"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines() == ["tma::linear falls back to F.linear: GPU is sm_80, not Hopper (sm_90)",
-                                       "kernel module imported: False"], run.stdout
+    assert python_output(code).splitlines() == [
+        "tma::linear falls back to F.linear: GPU is sm_80, not Hopper (sm_90)", "kernel module imported: False"]
 
 
 def test_fallback_causes_ignore_the_numbers(monkeypatch, caplog):
@@ -315,9 +320,7 @@ def test_cpu_path_never_imports_the_kernel_module():
         "import sys, torch, torch_tma; torch.ops.tma.linear(torch.randn(2, 32), torch.randn(16, 32)); "
         "print('torch_tma.kernels.linear' in sys.modules)"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "False"
+    assert python_output(code).strip() == "False"
 
 
 # ---- autograd, compile, opcheck -------------------------------------------------------------------------
