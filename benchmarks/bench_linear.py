@@ -243,7 +243,7 @@ def run(shapes, ms, sweep_ms, csv_path):
         p20, p50, p80 = (f"{t:.3f}" if t is not None else "" for t in times)
         rows.append({**common, "metric": metric, "name": name, "N": n, "K": k, "M": m, "provider": provider,
                      "l2_promotion": promotion, "us_min": "" if us_min is None else f"{us_min:.3f}", "us_p20": p20,
-                     "us_p50": p50, "us_p80": p80, "bytes": "" if metric == "host_us" else (n * k + m * k + m * n) * 2,
+                     "us_p50": p50, "us_p80": p80, "bytes": "" if metric == "host_us" else stream_bytes(n, k, m),
                      **(state or dict.fromkeys(gpu_clocks.FIELDS, ""))})
 
     for name in shapes:
@@ -254,7 +254,7 @@ def run(shapes, ms, sweep_ms, csv_path):
             x = torch.randn(m, k, dtype=DTYPE, device=device)
             out = torch.full((m, n), math.nan, dtype=DTYPE, device=device)
             assert linear.unsupported_reason(x, shape.weights[0], None, crossover=False) is None
-            floor_us = (n * k + m * k + m * n) * 2 / ceiling / 1e3  # torch.sum's, for the progress line
+            floor_us = stream_bytes(n, k, m) / ceiling / 1e3  # torch.sum's, for the progress line
             providers = {"torch_tma": (shape.ours(x, out, default), default.name),
                          "torch_tma_op": (shape.op(x), default.name), "cublas": (shape.cublas(x), "")}
             out.fill_(math.nan)
@@ -303,6 +303,11 @@ def run(shapes, ms, sweep_ms, csv_path):
     return rows
 
 
+def stream_bytes(n: int, k: int, m: int) -> int:
+    """Bytes a call must move at least: the bf16 weight [n, k], x [m, k] and y [m, n]."""
+    return (n * k + m * k + m * n) * 2
+
+
 def apply_ceiling(rows, measured_gbs: float) -> str:
     """Set every timed row's ceiling_gbs, floor_us and pct_floor: the ceiling is the fastest streaming rate of the run,
     measured_gbs (torch.sum's read or the copy) or a cell's own rate back to back (bytes / us_p50, any provider or
@@ -340,11 +345,12 @@ def write_csvs(csv_path: str, rows) -> None:
         keys = [(r["name"], r["M"], r["provider"], r["l2_promotion"]) for r in chosen]
         assert len(set(keys)) == len(keys), f"{metric}: more than one row for a shape, M and provider"
         if chosen:
-            with open(metric_path(csv_path, metric), "w", newline="") as f:
+            path = metric_path(csv_path, metric)
+            with open(path, "w", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
                 writer.writeheader()
                 writer.writerows({field: r.get(field, "") for field in CSV_FIELDS} for r in chosen)
-            print(f"wrote {metric_path(csv_path, metric)} ({len(chosen)} rows)")
+            print(f"wrote {path} ({len(chosen)} rows)")
 
 
 def read_rows(csv_path: str) -> list[dict]:
@@ -368,8 +374,7 @@ def restate(csv_path: str) -> None:
         if r["metric"] == "host_us" and not r.get("us_min"):  # recorded as (min, median, median)
             r.update(us_min=r["us_p20"], us_p20="", us_p80="")
         if not r.get("bytes") and r.get("floor_us"):
-            n, k, m = int(r["N"]), int(r["K"]), int(r["M"])
-            r["bytes"] = (n * k + m * k + m * n) * 2
+            r["bytes"] = stream_bytes(int(r["N"]), int(r["K"]), int(r["M"]))
         r.setdefault("bytes", "")
     print(apply_ceiling(rows, max(float(r["ceiling_gbs"]) for r in rows if r["ceiling_gbs"])))
     write_csvs(csv_path, rows)

@@ -247,7 +247,7 @@ def _grid_rows(times):
         for metric in ("gpu_us", "gpu_us_in_situ"):
             rows.append({"metric": metric, "name": f"{n}x{k}", "N": n, "K": k, "M": m, "provider": provider,
                          "l2_promotion": "", "us_p20": us, "us_p50": f"{us:.3f}", "us_p80": us,
-                         "bytes": (n * k + m * k + m * n) * 2})
+                         "bytes": bench_linear.stream_bytes(n, k, m)})
     rows.append({"metric": "host_us", "name": "h", "N": 1, "K": 1, "M": 1, "provider": "cublas", "l2_promotion": "",
                  "us_min": "9.0", "us_p20": "", "us_p50": "13.0", "us_p80": "", "bytes": ""})
     return rows

@@ -116,19 +116,20 @@ def _rebuild(cls, linear: nn.Linear, *, move_hooks: bool = False, **kwargs) -> n
     # register_*_hook returned before still remove their hooks.
     with torch.device("meta"):
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, **kwargs)
+    # Hooks registered with the module as their first argument (load_state_dict pre-hooks) hold it by a weak
+    # reference (torch's _WrappedHook): they are pointed at the new layer, or they would call the dropped one, or fail.
+    wrapped = nn.modules.module._WrappedHook
     for name, value in linear.__dict__.items():
         if name in _OWN_FIELDS:
             continue
-        share = move_hooks and "hooks" in name
-        new.__dict__[name] = value.copy() if isinstance(value, (dict, set)) and not share else value
-    # Hooks registered with the module as their first argument (load_state_dict pre-hooks) hold it by a weak
-    # reference (torch's _WrappedHook): point them at the new layer, or they would call the dropped one, or fail.
-    wrapped = nn.modules.module._WrappedHook
-    for name, value in new.__dict__.items():
-        if "hooks" in name and isinstance(value, dict):
+        hooks = "hooks" in name
+        if isinstance(value, (dict, set)) and not (move_hooks and hooks):
+            value = value.copy()
+        if hooks and isinstance(value, dict):
             for key, hook in list(value.items()):
                 if isinstance(hook, wrapped) and hook.with_module and hook.module() is linear:
                     value[key] = wrapped(hook.hook, new)
+        new.__dict__[name] = value
     return new
 
 
